@@ -1,0 +1,25 @@
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# A --configfile on the command line replaces the offline default instead of being merged
+# into it (merging would keep the default's tiny models and datasets beside the new ones).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/models.smk"
+include: "rules/train.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        "results/report.html",

@@ -1,0 +1,61 @@
+import re
+import sys
+
+# snaketrl is installed from this checkout (pip install -e .); its config and trainers
+# modules are pure Python, so parsing never loads torch, transformers or trl.
+from snaketrl.config import ConfigError, check
+from snaketrl.trainers import REGISTRY
+
+try:
+    RUNS = check(config)
+except ConfigError as err:
+    sys.exit(f"snaketrl: {err}")
+
+
+def _alternatives(names):
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+TINY_MODELS = [m for m, e in config["models"].items() if "tiny" in e]
+HUB_MODELS = [m for m, e in config["models"].items() if "hub" in e]
+USED_DATASETS = sorted({run["dataset"] for run in RUNS.values()})
+
+wildcard_constraints:
+    run=_alternatives(RUNS),
+    model=_alternatives(config["models"]),
+    dataset=_alternatives(config["datasets"]),
+    trainer=_alternatives(REGISTRY),
+
+
+def run_of(wildcards):
+    return RUNS[wildcards.run]
+
+
+def run_inputs(wildcards):
+    run = run_of(wildcards)
+    data = f"results/datasets/{run['dataset']}/{run['trainer']}"
+    return {
+        "model": f"results/models/{run['model']}",
+        "train": f"{data}/train.jsonl",
+        "eval": f"{data}/eval.jsonl",
+        "lengths": f"results/lengths/{run['trainer']}/{run['dataset']}/{run['model']}.json",
+    }
+
+
+def length_batch_size(wildcards):
+    """Batch size the padding estimate assumes: that of the first run sharing these lengths."""
+    from snaketrl.config import trl_args
+
+    for run in RUNS.values():
+        if (run["trainer"], run["dataset"], run["model"]) == (wildcards.trainer, wildcards.dataset, wildcards.model):
+            return trl_args(config, run).get("per_device_train_batch_size", 8)
+    return 8
+
+
+def mem_mb(base):
+    """Memory that grows with each retry (attempt 1, 2, ...)."""
+    return lambda wildcards, attempt: base * attempt
+
+
+def runtime(base):
+    return lambda wildcards, attempt: base * attempt

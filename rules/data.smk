@@ -1,0 +1,55 @@
+rule get_dataset:
+    output:
+        train="results/datasets/{dataset}/raw/train.jsonl",
+        eval="results/datasets/{dataset}/raw/eval.jsonl",
+    params:
+        entry=lambda wc: config["datasets"][wc.dataset],
+        seed=config["seed"],
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/get_dataset/{dataset}.log",
+    script:
+        "../scripts/get_dataset.py"
+
+
+rule preprocess:
+    input:
+        train="results/datasets/{dataset}/raw/train.jsonl",
+        eval="results/datasets/{dataset}/raw/eval.jsonl",
+    output:
+        train="results/datasets/{dataset}/{trainer}/train.jsonl",
+        eval="results/datasets/{dataset}/{trainer}/eval.jsonl",
+    params:
+        schema=lambda wc: REGISTRY[wc.trainer].data,
+        columns=lambda wc: config["datasets"][wc.dataset]["columns"],
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/preprocess/{dataset}/{trainer}.log",
+    script:
+        "../scripts/preprocess.py"
+
+
+rule length_histogram:
+    input:
+        model="results/models/{model}",
+        train="results/datasets/{dataset}/{trainer}/train.jsonl",
+    output:
+        json="results/lengths/{trainer}/{dataset}/{model}.json",
+        png=report(
+            "results/lengths/{trainer}/{dataset}/{model}.png",
+            category="Sequence lengths",
+            caption="../report/lengths.rst",
+        ),
+    params:
+        schema=lambda wc: REGISTRY[wc.trainer].data,
+        length=config["length"],
+        batch_size=length_batch_size,
+        seed=config["seed"],
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/length_histogram/{trainer}/{dataset}/{model}.log",
+    script:
+        "../scripts/length_histogram.py"

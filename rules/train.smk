@@ -1,0 +1,26 @@
+rule train:
+    input:
+        unpack(run_inputs),
+    output:
+        adapter=directory("results/runs/{run}/adapter"),
+        state="results/runs/{run}/trainer_state.json",
+        metrics="results/runs/{run}/metrics.json",
+        manifest="results/runs/{run}/manifest.json",
+    params:
+        run=run_of,
+        # Outside the declared outputs: Snakemake deletes those when a job fails, and a rerun
+        # must find the checkpoints to resume from.
+        checkpoints=lambda wc: f"results/checkpoints/{wc.run}",
+    threads: 2
+    resources:
+        mem_mb=mem_mb(8000),
+        runtime=runtime(120),
+        gpu=0,
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/train/{run}.log",
+    benchmark:
+        "results/benchmarks/train/{run}.tsv"
+    script:
+        "../scripts/train.py"

@@ -1,0 +1,5 @@
+from snaketrl.models import download
+from snaketrl.smk import logged
+
+with logged(snakemake):
+    download(snakemake.wildcards.model, snakemake.params.entry, snakemake.output[0])

@@ -1,0 +1,104 @@
+"""The HTML report: one self-contained file comparing every run."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from snaketrl.plots import log_frame
+from snaketrl.trainers import REGISTRY
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+
+
+def data_uri(png_path_or_bytes) -> str:
+    raw = png_path_or_bytes if isinstance(png_path_or_bytes, bytes) else Path(png_path_or_bytes).read_bytes()
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def last_value(history: list[dict], key: str):
+    """The last logged value of `key` (the final summary entry holds train_* keys, not curves)."""
+    for entry in reversed(history):
+        if key in entry:
+            return entry[key]
+    return None
+
+
+def summarize(run: str, spec: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None) -> dict:
+    history = state["log_history"]
+    row = {
+        "run": run, "trainer": spec["trainer"], "model": spec["model"], "dataset": spec["dataset"],
+        "max_length": lengths["max_length"], "truncated": lengths["share_truncated"],
+        "steps": state["global_step"],
+        "train loss (last log)": last_value([h for h in history if "train_runtime" not in h], "loss"),
+        "eval loss": last_value(history, "eval_loss"),
+        "runtime (s)": last_value(history, "train_runtime"),
+        "samples/s": last_value(history, "train_samples_per_second"),
+    }
+    if benchmark is not None and "max_rss" in benchmark:
+        row["peak RSS (MB)"] = float(benchmark["max_rss"].iloc[0])
+    for key in REGISTRY[spec["trainer"]].headline:
+        row[key] = last_value(history, key)
+    return row
+
+
+def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) -> bytes:
+    """The trainer's overlay metric (train and eval) for each of its runs, on one axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = REGISTRY[trainer].overlay
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run, state in states.items():
+        df = log_frame(state)
+        for col, style in ((key, "-"), (f"eval_{key}", "--")):
+            if col in df:
+                series = df[col].dropna()
+                ax.plot(series.index, series.values, style, marker=".", label=f"{runs[run]['model']} {col}")
+    ax.set_title(f"{trainer}: {key} across models", fontsize=10)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def render(*, runs: dict[str, dict], results: Path, out: Path) -> str:
+    import jinja2
+
+    results = Path(results)
+    rows, sections, by_trainer = [], [], {}
+    for run, spec in runs.items():
+        run_dir = results / "runs" / run
+        state = json.loads((run_dir / "trainer_state.json").read_text())
+        lengths_json = results / "lengths" / spec["trainer"] / spec["dataset"] / f"{spec['model']}.json"
+        lengths = json.loads(lengths_json.read_text())
+        bench_file = results / "benchmarks" / "train" / f"{run}.tsv"
+        bench = pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None
+        rows.append(summarize(run, spec, state, lengths, bench))
+        by_trainer.setdefault(spec["trainer"], {})[run] = state
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        sections.append({
+            "run": run, "spec": spec, "lengths": lengths,
+            "curves": data_uri(run_dir / "curves.png"),
+            "histogram": data_uri(lengths_json.with_suffix(".png")),
+            "config": json.dumps(manifest.get("config", {}), indent=2),
+            "manifest": json.dumps({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}, indent=2),
+            "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
+        })
+    table = pd.DataFrame(rows).set_index("run")
+    overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states, runs))} for t, states in by_trainer.items()]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
+    html = env.get_template("report.html.j2").render(
+        table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
+        sections=sections, overlays=overlays, n_runs=len(runs))
+    Path(out).write_text(html, encoding="utf-8")
+    return html

@@ -1,0 +1,26 @@
+"""What every rule script shares: its log file, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+
+from snaketrl.config import ConfigError
+from snaketrl.data import DataError
+
+
+@contextmanager
+def logged(snakemake):
+    """Send the script's output to the rule's log; a config/data error becomes one clear line
+    (also on the console), not a traceback."""
+    with open(snakemake.log[0], "w", buffering=1) as log, redirect_stdout(log), redirect_stderr(log):
+        logging.basicConfig(stream=log, level=logging.INFO, force=True,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        try:
+            yield
+        except (ConfigError, DataError) as err:
+            line = f"snaketrl: error in rule {snakemake.rule}: {err}"
+            print(line, file=log)
+            print(line, file=sys.__stderr__)
+            raise SystemExit(1) from None

@@ -1,0 +1,159 @@
+"""Training one run with any registered TRL trainer, LoRA/QLoRA, resumable checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from snaketrl.config import ConfigError
+from snaketrl.data import read_jsonl
+from snaketrl.trainers import REGISTRY, load
+
+log = logging.getLogger("snaketrl.train")
+
+# Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
+OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)"}
+
+
+def check_args(trainer: str, args: dict, run: str = "?") -> type:
+    """Reject fields the trainer's TRL config class does not have, before anything heavy loads."""
+    cls = load(REGISTRY[trainer].config)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in args:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"config: run '{run}': '{key}' is not a field of trl.{cls.__name__}{hint}")
+        if key in OWNED:
+            raise ConfigError(f"config: run '{run}': '{key}' is set by {OWNED[key]}, not in args")
+    return cls
+
+
+def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?"):
+    import torch
+
+    cls = check_args(trainer, args, run)
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    kwargs = {
+        "report_to": "none",
+        "seed": seed,
+        "save_safetensors": True,
+        **args,
+        # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
+        # a config may only turn it off.
+        "bf16": bf16 and args.get("bf16", True),
+        "output_dir": output_dir,
+        REGISTRY[trainer].length_field: max_length,
+    }
+    if "save_safetensors" not in {f.name for f in dataclasses.fields(cls)}:
+        kwargs.pop("save_safetensors")
+    if not kwargs["bf16"]:
+        kwargs.setdefault("fp16", False)
+    return cls(**kwargs)
+
+
+def check_lora_targets(model, targets, model_name: str) -> None:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    missing = [t for t in ([targets] if isinstance(targets, str) else targets) if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "weight")
+                         and getattr(m.weight, "ndim", 0) == 2 and n})
+        raise ConfigError(f"config: models.{model_name}.lora.target_modules: {missing} not in the model "
+                          f"({type(model).__name__}); its weight modules are {linear}")
+
+
+def load_model(model_dir, model_name: str, entry: dict, bf16: bool, cls_name: str = "AutoModelForCausalLM",
+               **kwargs):
+    import torch
+    import transformers
+
+    quant = entry.get("quantization")
+    qconfig = None
+    if quant:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "
+                              f"needs a CUDA GPU; none is visible")
+        qconfig = transformers.BitsAndBytesConfig(
+            load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit", bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float16)
+    model = getattr(transformers, cls_name).from_pretrained(
+        model_dir, quantization_config=qconfig, dtype=torch.bfloat16 if bf16 else torch.float32,
+        trust_remote_code=entry.get("trust_remote_code", False), **kwargs)
+    if quant:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def last_checkpoint(checkpoint_dir: Path, fingerprint: str) -> str | None:
+    """The newest checkpoint of the same resolved run; checkpoints of another config are removed."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    stamp = checkpoint_dir / "snaketrl_run.json"
+    if checkpoint_dir.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text())["fingerprint"] != fingerprint):
+        log.warning("checkpoints in %s belong to another configuration: starting over", checkpoint_dir)
+        shutil.rmtree(checkpoint_dir)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps({"fingerprint": fingerprint}))
+    return get_last_checkpoint(str(checkpoint_dir))
+
+
+def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, eval_file, lengths_file,
+              out_dir, checkpoint_dir, manifest_inputs=(), callbacks=None) -> dict:
+    """Train one run; write adapter/, trainer_state.json, metrics.json, manifest.json into out_dir."""
+    from snaketrl import manifest
+    from snaketrl.config import lora_args, trl_args
+
+    spec = REGISTRY[run["trainer"]]
+    lengths = json.loads(Path(lengths_file).read_text())
+    user_args = trl_args(config, run)
+    checkpoint_dir = Path(checkpoint_dir)
+    args = build_args(run["trainer"], user_args, output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
+                      seed=config["seed"], run=run_name)
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, set_seed
+
+    set_seed(config["seed"])
+    entry = config["models"][run["model"]]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
+    model = load_model(model_dir, run["model"], entry, args.bf16)
+    lora = lora_args(config, run["model"])
+    check_lora_targets(model, lora["target_modules"], run["model"])
+    peft_config = LoraConfig(task_type="CAUSAL_LM", **lora)
+
+    train_ds = Dataset.from_list(read_jsonl(train_file))
+    eval_ds = Dataset.from_list(read_jsonl(eval_file))
+    trainer_cls = load(spec.trainer)
+    trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+
+    resolved = {"run": run_name, **run, "args": user_args, "lora": lora, "max_length": lengths["max_length"],
+                "seed": config["seed"], "model_entry": entry, "dataset_entry": config["datasets"][run["dataset"]]}
+    resume = last_checkpoint(checkpoint_dir, _fingerprint(resolved))
+    if resume:
+        log.info("resuming %s from %s", run_name, resume)
+    result = trainer.train(resume_from_checkpoint=resume)
+    metrics = {**result.metrics, **trainer.evaluate()}
+
+    out_dir = Path(out_dir)
+    trainer.save_model(str(out_dir / "adapter"))
+    tokenizer.save_pretrained(str(out_dir / "adapter"))
+    trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    manifest.write(out_dir / "manifest.json", resolved=resolved, trl_args=args.to_dict(),
+                   files=[train_file, eval_file, lengths_file, *manifest_inputs],
+                   device="cuda" if torch.cuda.is_available() else "cpu", resumed_from=resume)
+    return metrics
