@@ -1,4 +1,9 @@
-from snakemake.utils import min_version, validate
+import sys
+
+from snakemake.utils import min_version
+
+# Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
+from snaketrl.config import ConfigError, check, validate
 
 min_version("9.0")
 
@@ -10,7 +15,11 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
+try:
+    validate(config, workflow.source_path("config/schema.yaml"))
+    RUNS = check(config)
+except ConfigError as err:
+    sys.exit(f"snaketrl: {err}")
 
 
 include: "rules/common.smk"

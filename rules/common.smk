@@ -1,15 +1,6 @@
 import re
-import sys
 
-# snaketrl is installed from this checkout (pip install -e .); its config and trainers
-# modules are pure Python, so parsing never loads torch, transformers or trl.
-from snaketrl.config import ConfigError, check
 from snaketrl.trainers import REGISTRY
-
-try:
-    RUNS = check(config)
-except ConfigError as err:
-    sys.exit(f"snaketrl: {err}")
 
 
 def _alternatives(names):

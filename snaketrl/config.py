@@ -15,6 +15,31 @@ class ConfigError(ValueError):
     pass
 
 
+def validate(config: dict, schema_path: str) -> None:
+    """Validate against the JSON schema, filling its defaults (snakemake.utils.validate); a failure
+    becomes one line naming the key path and what was expected."""
+    from snakemake.utils import validate as snakemake_validate
+
+    try:
+        snakemake_validate(config, schema_path)
+    except Exception as err:
+        import jsonschema
+        import yaml
+
+        with open(schema_path) as f:
+            schema = yaml.safe_load(f)
+        best = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(config))
+        if best is None:
+            raise
+        path = ".".join(str(p) for p in best.absolute_path) or "(top level)"
+        if best.validator == "oneOf" and all("required" in alt for alt in best.validator_value):
+            expected = " or ".join(f"'{alt['required'][0]}'" for alt in best.validator_value)
+            message = f"needs exactly one of {expected}"
+        else:
+            message = best.message
+        raise ConfigError(f"config: {path}: {message}") from None
+
+
 def expand_runs(config: dict) -> dict[str, dict]:
     """Run name -> {trainer, model, dataset, args}: the matrix first, then `runs` entries on top."""
     runs: dict[str, dict] = {}

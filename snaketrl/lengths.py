@@ -48,7 +48,9 @@ def sequence_lengths(rows: list[dict], tokenizer, schema: str) -> np.ndarray:
 
 def choose_max_length(lengths: np.ndarray, keep_share: float, round_to: int, cap: int | None) -> int:
     """Smallest multiple of `round_to` that keeps `keep_share` of examples whole, at most `cap`."""
-    need = int(np.quantile(lengths, keep_share, method="higher"))
+    # The k-th shortest example, k = ceil(share * n): at least that share fits whole.
+    k = max(1, math.ceil(keep_share * len(lengths) - 1e-9))
+    need = int(np.sort(lengths)[k - 1])
     choice = max(round_to, math.ceil(need / round_to) * round_to)
     return min(choice, cap) if cap else choice
 

@@ -71,19 +71,32 @@ def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) ->
     return buf.getvalue()
 
 
+def _lengths_file(results: Path, spec: dict) -> Path:
+    return results / "lengths" / spec["trainer"] / spec["dataset"] / f"{spec['model']}.json"
+
+
+def summary_table(runs: dict[str, dict], results) -> pd.DataFrame:
+    results = Path(results)
+    rows = []
+    for run, spec in runs.items():
+        state = json.loads((results / "runs" / run / "trainer_state.json").read_text())
+        lengths = json.loads(_lengths_file(results, spec).read_text())
+        bench_file = results / "benchmarks" / "train" / f"{run}.tsv"
+        bench = pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None
+        rows.append(summarize(run, spec, state, lengths, bench))
+    return pd.DataFrame(rows).set_index("run")
+
+
 def render(*, runs: dict[str, dict], results: Path, out: Path) -> str:
     import jinja2
 
     results = Path(results)
-    rows, sections, by_trainer = [], [], {}
+    sections, by_trainer = [], {}
     for run, spec in runs.items():
         run_dir = results / "runs" / run
         state = json.loads((run_dir / "trainer_state.json").read_text())
-        lengths_json = results / "lengths" / spec["trainer"] / spec["dataset"] / f"{spec['model']}.json"
+        lengths_json = _lengths_file(results, spec)
         lengths = json.loads(lengths_json.read_text())
-        bench_file = results / "benchmarks" / "train" / f"{run}.tsv"
-        bench = pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None
-        rows.append(summarize(run, spec, state, lengths, bench))
         by_trainer.setdefault(spec["trainer"], {})[run] = state
         manifest = json.loads((run_dir / "manifest.json").read_text())
         sections.append({
@@ -94,7 +107,7 @@ def render(*, runs: dict[str, dict], results: Path, out: Path) -> str:
             "manifest": json.dumps({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}, indent=2),
             "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
         })
-    table = pd.DataFrame(rows).set_index("run")
+    table = summary_table(runs, results)
     overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states, runs))} for t, states in by_trainer.items()]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(

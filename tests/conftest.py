@@ -1,0 +1,29 @@
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def config():
+    """The default config with the schema's defaults filled, as the Snakefile sees it."""
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    return copy.deepcopy(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Qwen2-style model and tokenizer trained on the shipped samples (built once)."""
+    from snaketrl.models import build_tiny_from_files
+
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    out = tmp_path_factory.mktemp("models") / "qwen2-tiny"
+    files = sorted((ROOT / "data" / "samples").glob("*.jsonl"))
+    build_tiny_from_files(cfg["models"]["qwen2-tiny"]["tiny"], files, out, seed=0)
+    return out

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+
+from conftest import ROOT
+from snaketrl.data import DataError, fetch, preprocess, read_jsonl, split_rows
+
+
+def test_firefly_column_mapping():
+    rows = read_jsonl(ROOT / "data/samples/firefly.jsonl")[:5]
+    out = preprocess(rows, dataset="firefly", trainer="sft", schema="language_modeling",
+                     columns={"prompt": "input", "completion": "target"}, split="train")
+    assert [list(r) for r in out] == [["prompt", "completion"]] * 5  # `kind` dropped
+    assert out[0] == {"prompt": rows[0]["input"], "completion": rows[0]["target"]}
+
+
+def test_missing_column_names_dataset_column_and_columns():
+    rows = read_jsonl(ROOT / "data/samples/firefly.jsonl")[:3]
+    with pytest.raises(DataError) as err:
+        preprocess(rows, dataset="firefly", trainer="sft", schema="language_modeling", columns={}, split="train")
+    assert str(err.value) == (
+        "dataset 'firefly': trainer 'sft' needs columns (prompt, completion) or (messages) or (text); "
+        "missing 'prompt'; columns are ['kind', 'input', 'target'] (map names with datasets.firefly.columns)")
+
+
+def test_mapping_to_absent_column():
+    with pytest.raises(DataError, match=r"column mapping prompt -> 'question': no column 'question'; "
+                                        r"columns are \['kind', 'input', 'target'\]"):
+        preprocess(read_jsonl(ROOT / "data/samples/firefly.jsonl")[:3], dataset="firefly", trainer="sft",
+                   schema="language_modeling", columns={"prompt": "question"}, split="train")
+
+
+def test_implicit_prompt_is_extracted_from_conversations():
+    rows = read_jsonl(ROOT / "data/samples/ultrafeedback.jsonl")[:4]
+    out = preprocess(rows, dataset="uf", trainer="dpo", schema="preference", columns={}, split="train")
+    assert list(out[0]) == ["prompt", "chosen", "rejected"]
+    assert [m["role"] for m in out[0]["prompt"]] == ["user"]
+    assert [m["role"] for m in out[0]["chosen"]] == ["assistant"]
+    assert out[0]["prompt"] + out[0]["chosen"] == rows[0]["chosen"]
+
+
+def test_explicit_prompt_kept_for_string_preferences():
+    rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:2]
+    out = preprocess(rows, dataset="d", trainer="dpo", schema="preference", columns={}, split="eval")
+    assert out == [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
+
+
+def test_empty_split_is_an_error():
+    with pytest.raises(DataError, match=r"dataset 'tldr' \(eval split, for trainer 'sft'\): no rows"):
+        preprocess([], dataset="tldr", trainer="sft", schema="language_modeling", columns={}, split="eval")
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(DataError, match=rf"dataset 'x': file {tmp_path}/nope.jsonl does not exist"):
+        fetch("x", {"files": str(tmp_path / "nope.jsonl")}, seed=0)
+
+
+def test_split_is_deterministic_and_disjoint():
+    rows = [{"i": i} for i in range(100)]
+    a, b = split_rows(rows, 0.1, seed=3)
+    assert (len(a), len(b)) == (90, 10)
+    assert split_rows(rows, 0.1, seed=3) == (a, b)
+    assert {r["i"] for r in a}.isdisjoint({r["i"] for r in b})
+
+
+def test_fetch_parquet_and_explicit_eval(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame({"prompt": ["a", "b", "c"], "completion": ["x", "y", "z"]}).to_parquet(tmp_path / "t.parquet")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"prompt": "q", "completion": "r"}) + "\n")
+    train, evals = fetch("p", {"files": {"train": str(tmp_path / "t.parquet"), "eval": str(tmp_path / "e.jsonl")},
+                               "max_rows": 2}, seed=0)
+    assert train == [{"prompt": "a", "completion": "x"}, {"prompt": "b", "completion": "y"}]
+    assert evals == [{"prompt": "q", "completion": "r"}]
+
+
+def test_hub_dataset_offline_names_what_to_prefetch(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"dataset 'tldr': could not load 'trl-lib/tldr' .*pre-download it"):
+        fetch("tldr", {"hub": "trl-lib/tldr", "split": "train[:10]"}, seed=0)

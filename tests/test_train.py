@@ -1,0 +1,110 @@
+import json
+
+import pytest
+
+from conftest import ROOT
+from snaketrl.config import ConfigError, check
+from snaketrl.data import preprocess, read_jsonl, write_jsonl
+from snaketrl.train import build_args, check_args, check_lora_targets, train_run
+
+
+def test_unknown_trl_argument_suggests_the_field():
+    with pytest.raises(ConfigError, match=r"^config: run 'sft-x': 'learning_rat' is not a field of "
+                                          r"trl.SFTConfig; did you mean 'learning_rate'\?$"):
+        check_args("sft", {"learning_rat": 1e-3}, run="sft-x")
+
+
+def test_dpo_only_field_is_rejected_for_sft():
+    with pytest.raises(ConfigError, match="'beta' is not a field of trl.SFTConfig"):
+        check_args("sft", {"beta": 0.1})
+    check_args("dpo", {"beta": 0.1})
+
+
+def test_max_length_belongs_to_the_histogram():
+    with pytest.raises(ConfigError, match="'max_length' is set by the length histogram"):
+        check_args("dpo", {"max_length": 512})
+
+
+def test_build_args_sets_hardware_and_histogram_fields(tmp_path):
+    args = build_args("sft", {"learning_rate": 1e-3, "activation_checkpointing": False},
+                      output_dir=str(tmp_path), max_length=96, seed=7)
+    assert type(args).__name__ == "SFTConfig"
+    assert args.max_length == 96 and args.seed == 7 and args.learning_rate == 1e-3
+    assert args.bf16 is False  # TRL's default is True; no GPU here
+    assert args.report_to == [] or args.report_to == "none" or args.report_to == ["none"]
+
+
+def test_missing_lora_target_lists_the_model_modules(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"models.qwen2-tiny.lora.target_modules: \['query_key_value'\] not in "
+                                          r"the model \(Qwen2ForCausalLM\); its weight modules are .*'q_proj'"):
+        check_lora_targets(model, ["query_key_value"], "qwen2-tiny")
+    check_lora_targets(model, ["q_proj", "v_proj"], "qwen2-tiny")
+
+
+@pytest.fixture
+def sft_inputs(tmp_path, config, tiny_model_dir):
+    rows = preprocess(read_jsonl(ROOT / "data/samples/tldr.jsonl")[:48], dataset="tldr", trainer="sft",
+                      schema="language_modeling", columns={}, split="train")
+    write_jsonl(rows[:40], tmp_path / "train.jsonl")
+    write_jsonl(rows[40:], tmp_path / "eval.jsonl")
+    (tmp_path / "lengths.json").write_text(json.dumps({"max_length": 64}))
+    config["training"].update({"max_steps": 6, "save_steps": 3, "logging_steps": 1, "eval_steps": 3})
+    runs = check(config)
+    return {"run_name": "sft-qwen2-tiny", "run": runs["sft-qwen2-tiny"], "config": config,
+            "model_dir": tiny_model_dir, "train_file": tmp_path / "train.jsonl", "eval_file": tmp_path / "eval.jsonl",
+            "lengths_file": tmp_path / "lengths.json"}
+
+
+def _losses(out_dir):
+    state = json.loads((out_dir / "trainer_state.json").read_text())
+    return [e["loss"] for e in state["log_history"] if "loss" in e]
+
+
+def test_same_seed_gives_identical_losses_and_full_outputs(sft_inputs, tmp_path):
+    a = train_run(**sft_inputs, out_dir=tmp_path / "a", checkpoint_dir=tmp_path / "ca")
+    b = train_run(**sft_inputs, out_dir=tmp_path / "b", checkpoint_dir=tmp_path / "cb")
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    assert len(_losses(tmp_path / "a")) == 6
+    assert a["eval_loss"] == b["eval_loss"]
+    state = json.loads((tmp_path / "a" / "trainer_state.json").read_text())
+    assert "train_runtime" in state["log_history"][-2] or "train_runtime" in state["log_history"][-1]
+    assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file()
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["versions"]["trl"] == "1.12.0"
+    assert manifest["config"]["max_length"] == 64 and manifest["trl_args"]["max_length"] == 64
+    assert set(manifest["files"]) == {str(sft_inputs[k]) for k in ("train_file", "eval_file", "lengths_file")}
+    assert all(len(h) == 64 for h in manifest["files"].values())
+
+
+def test_interrupted_run_resumes_from_last_checkpoint(sft_inputs, tmp_path):
+    from transformers import TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                raise KeyboardInterrupt("simulated preemption")
+
+    with pytest.raises(KeyboardInterrupt):
+        train_run(**sft_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", callbacks=[Crash()])
+    assert (tmp_path / "ckpt" / "checkpoint-3").is_dir()
+    assert not (tmp_path / "out" / "trainer_state.json").exists()
+
+    train_run(**sft_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["resumed_from"].endswith("checkpoint-3")
+    assert json.loads((tmp_path / "out" / "trainer_state.json").read_text())["global_step"] == 6
+
+    # A changed config must not resume from the old run's checkpoints.
+    sft_inputs["config"]["training"]["learning_rate"] = 1e-3
+    train_run(**sft_inputs, out_dir=tmp_path / "out2", checkpoint_dir=tmp_path / "ckpt")
+    assert json.loads((tmp_path / "out2" / "manifest.json").read_text())["resumed_from"] is None
+
+
+def test_sft_loss_falls_on_learnable_toy(sft_inputs, tmp_path):
+    sft_inputs["config"]["training"].update({"max_steps": 20, "logging_steps": 5})
+    train_run(**sft_inputs, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
+    losses = _losses(tmp_path / "o")
+    assert losses[-1] < losses[0] - 0.1, losses
