@@ -31,9 +31,9 @@ def main():
     opts = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "Snakefile").write_text('rule all:\n    output: "x.txt"\n    shell: "touch {output}"\n')
-        trivial = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "1"], tmp, opts.repeats)
+        trivial = timed([sys.executable, "-m", "snakemake", "-n", "--cores", "1"], tmp, opts.repeats)
     # --forceall: every job of the matrix is planned, whatever results/ already holds.
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "1", "--forceall"]
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--forceall"]
     if opts.configfile:
         cmd += ["--configfile", str(Path(opts.configfile).resolve())]
     ours = timed(cmd, ROOT, opts.repeats)
