@@ -23,14 +23,29 @@ def run_of(wildcards):
 
 
 def run_inputs(wildcards):
+    """A run's model (the base, or another run's merged model), data, lengths and reward model."""
     run = run_of(wildcards)
+    spec = REGISTRY[run["trainer"]]
     data = f"results/datasets/{run['dataset']}/{run['trainer']}"
-    return {
-        "model": f"results/models/{run['model']}",
+    if spec.tokenized:
+        data += f"/{run['model']}"
+    inputs = {
+        "model": merged(run["policy"]) if run.get("policy") else f"results/models/{run['model']}",
         "train": f"{data}/train.jsonl",
         "eval": f"{data}/eval.jsonl",
         "lengths": f"results/lengths/{run['trainer']}/{run['dataset']}/{run['model']}.json",
     }
+    if run.get("reward_model"):
+        inputs["reward_model"] = merged(run["reward_model"])
+    return inputs
+
+
+def merged(run):
+    return f"results/runs/{run}/merged"
+
+
+def model_class(wildcards):
+    return REGISTRY[RUNS[wildcards.run]["trainer"]].model_class
 
 
 def length_batch_size(wildcards):

@@ -23,6 +23,7 @@ rule preprocess:
     params:
         schema=lambda wc: REGISTRY[wc.trainer].data,
         columns=lambda wc: config["datasets"][wc.dataset]["columns"],
+        format=lambda wc: config["datasets"][wc.dataset]["format"],
     conda:
         "../envs/snaketrl.yaml"
     log:
@@ -53,3 +54,21 @@ rule length_histogram:
         "results/logs/length_histogram/{trainer}/{dataset}/{model}.log",
     script:
         "../scripts/length_histogram.py"
+
+
+# PPO consumes token ids: prompts cut from the left to the histogram's length, per model tokenizer.
+rule tokenize_prompts:
+    input:
+        model="results/models/{model}",
+        train="results/datasets/{dataset}/{trainer}/train.jsonl",
+        eval="results/datasets/{dataset}/{trainer}/eval.jsonl",
+        lengths="results/lengths/{trainer}/{dataset}/{model}.json",
+    output:
+        train="results/datasets/{dataset}/{trainer}/{model}/train.jsonl",
+        eval="results/datasets/{dataset}/{trainer}/{model}/eval.jsonl",
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/tokenize_prompts/{dataset}/{trainer}/{model}.log",
+    script:
+        "../scripts/tokenize_prompts.py"

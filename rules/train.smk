@@ -24,3 +24,22 @@ rule train:
         "results/benchmarks/train/{run}.tsv"
     script:
         "../scripts/train.py"
+
+
+# A run's adapter merged into its base: another run's starting policy, or the reward model
+# PPO and GRPO load as AutoModelForSequenceClassification.
+rule merge:
+    input:
+        adapter="results/runs/{run}/adapter",
+    output:
+        directory("results/runs/{run}/merged"),
+    params:
+        model_class=model_class,
+    resources:
+        mem_mb=mem_mb(8000),
+    conda:
+        "../envs/snaketrl.yaml"
+    log:
+        "results/logs/merge/{run}.log",
+    script:
+        "../scripts/merge.py"

@@ -5,7 +5,8 @@ with logged(snakemake):
     # Both splits are checked before either is written.
     out = {split: preprocess(read_jsonl(snakemake.input[split]), dataset=snakemake.wildcards.dataset,
                              trainer=snakemake.wildcards.trainer, schema=snakemake.params.schema,
-                             columns=snakemake.params.columns, split=split)
+                             columns=snakemake.params.columns, split=split,
+                             format=snakemake.params.format)
            for split in ("train", "eval")}
     for split, rows in out.items():
         write_jsonl(rows, snakemake.output[split])

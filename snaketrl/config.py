@@ -55,9 +55,44 @@ def expand_runs(config: dict) -> dict[str, dict]:
         for key in ("trainer", "model"):
             if key not in run:
                 raise ConfigError(f"config: runs.{name}: missing '{key}' (not a matrix run, so it must name one)")
-        if run["trainer"] in config["trainers"] and "dataset" not in run:
-            run["dataset"] = config["trainers"][run["trainer"]]["dataset"]
+        defaults = config["trainers"].get(run["trainer"], {})
+        for key in INHERITED:
+            if key not in run and key in defaults:
+                run[key] = copy.deepcopy(defaults[key])
+        for key in ("reward_model", "policy"):
+            if run.get(key):
+                run[key] = run[key].format(model=run["model"])
     return runs
+
+
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy")
+
+# TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
+# still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
+GENERATION_DEFAULTS = {"grpo": {"num_generations": 8}, "rloo": {"num_generations": 2}}
+BATCH_DEFAULTS = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 8,
+                  "gradient_accumulation_steps": 1, "eval_strategy": "no", "max_completion_length": 512}
+
+
+def check_generation_batch(trainer: str, args: dict, where: str) -> None:
+    """TRL's rule, single process: the generation batch (per-device batch x steps per generation)
+    must hold whole groups of num_generations completions; so must the eval batch."""
+    a = {**BATCH_DEFAULTS, **GENERATION_DEFAULTS[trainer], **args}
+    n = a["num_generations"]
+    if not isinstance(n, int) or n < 2:
+        raise ConfigError(f"config: {where}: num_generations must be an integer >= 2 (got {n!r})")
+    if not isinstance(a["max_completion_length"], int) or a["max_completion_length"] < 1:
+        raise ConfigError(f"config: {where}: max_completion_length must be a positive integer "
+                          f"(got {a['max_completion_length']!r})")
+    gen = a.get("generation_batch_size") or a["per_device_train_batch_size"] * (
+        a.get("steps_per_generation") or a["gradient_accumulation_steps"])
+    if gen % n:
+        raise ConfigError(f"config: {where}: generation batch {gen} (per_device_train_batch_size x "
+                          f"steps_per_generation) is not divisible by num_generations={n}; TRL needs whole groups")
+    n_eval = a.get("num_generations_eval") or n
+    if a["eval_strategy"] != "no" and a["per_device_eval_batch_size"] % n_eval:
+        raise ConfigError(f"config: {where}: per_device_eval_batch_size={a['per_device_eval_batch_size']} is not "
+                          f"divisible by num_generations={n_eval}; TRL needs whole groups")
 
 
 def check(config: dict) -> dict[str, dict]:
@@ -86,11 +121,40 @@ def check(config: dict) -> dict[str, dict]:
             if run[key] not in config[pool]:
                 raise ConfigError(f"config: {where}.{key}: unknown {key} '{run[key]}'; "
                                   f"expected one of {sorted(config[pool])}")
+        _check_run_rewards(config, runs, name, run, where)
     for name, model in config["models"].items():
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
     return runs
+
+
+def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: str) -> None:
+    from snaketrl.rewards import BUILTINS
+
+    spec = REGISTRY[run["trainer"]]
+    for key, trainer in (("reward_model", "reward"), ("policy", None)):
+        ref = run.get(key)
+        if not ref:
+            continue
+        if ref not in runs:
+            raise ConfigError(f"config: {where}.{key}: no run named '{ref}'; runs are {sorted(runs)}")
+        if trainer and runs[ref]["trainer"] != trainer:
+            raise ConfigError(f"config: {where}.{key}: run '{ref}' trains '{runs[ref]['trainer']}', not a reward model")
+    if spec.rewards == "ppo" and not run.get("reward_model"):
+        raise ConfigError(f"config: {where}: ppo needs a reward_model (a run of the reward trainer, e.g. "
+                          f"'reward-{{model}}')")
+    if spec.rewards == "funcs" and not (run.get("reward_funcs") or run.get("reward_model")):
+        raise ConfigError(f"config: {where}: {run['trainer']} needs reward_funcs or a reward_model")
+    if spec.rewards != "funcs" and run.get("reward_funcs"):
+        raise ConfigError(f"config: {where}.reward_funcs: trainer '{run['trainer']}' takes no reward functions")
+    for entry in run.get("reward_funcs", []):
+        fname = entry if isinstance(entry, str) else entry["function"]
+        if ":" not in fname and fname not in BUILTINS:
+            raise ConfigError(f"config: {where}.reward_funcs: unknown reward function '{fname}'; expected one of "
+                              f"{sorted(BUILTINS)} or 'package.module:function'")
+    if spec.generation_check:
+        check_generation_batch(run["trainer"], trl_args(config, run), where)
 
 
 def trl_args(config: dict, run: dict) -> dict:

@@ -13,6 +13,8 @@ from pathlib import Path
 SCHEMAS: dict[str, list[tuple[str, ...]]] = {
     "language_modeling": [("prompt", "completion"), ("messages",), ("text",)],
     "preference": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
+    # Online trainers pass extra columns to reward functions: keep a gsm8k-style `answer`.
+    "prompt": [("prompt", "answer"), ("prompt",)],
 }
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -110,11 +112,44 @@ def _split_prompt(chosen, rejected):
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def from_alpaca(row: dict) -> dict:
+    """instruction/input/output(/history) -> a conversational prompt and completion (as LLaMA-Factory)."""
+    turns = []
+    for user, assistant in row.get("history") or []:
+        turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    instruction = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    return {"prompt": turns + [{"role": "user", "content": instruction}],
+            "completion": [{"role": "assistant", "content": row["output"]}]}
+
+
+HH_ASSISTANT = "\n\nAssistant:"
+
+
+def from_hh(row: dict) -> dict:
+    """Anthropic HH dialogues: the prompt is the shared text up to the last Assistant turn."""
+    prefix = os.path.commonprefix([row["chosen"], row["rejected"]])
+    cut = prefix.rfind(HH_ASSISTANT)
+    if cut < 0:
+        raise DataError(f"HH-style row has no shared '{HH_ASSISTANT.strip()}' turn: {row['chosen'][:80]!r}")
+    cut += len(HH_ASSISTANT)
+    return {"prompt": row["chosen"][:cut], "chosen": row["chosen"][cut:], "rejected": row["rejected"][cut:]}
+
+
+FORMATS = {"alpaca": (from_alpaca, ("instruction", "output")), "hh": (from_hh, ("chosen", "rejected"))}
+
+
 def preprocess(rows: list[dict], *, dataset: str, trainer: str, schema: str, columns: dict[str, str],
-               split: str) -> list[dict]:
+               split: str, format: str | None = None) -> list[dict]:
     """Map a dataset's rows to the columns `schema` expects; other columns are dropped."""
     if not rows:
         raise DataError(f"dataset '{dataset}' ({split} split, for trainer '{trainer}'): no rows")
+    if format:
+        convert, needs = FORMATS[format]
+        missing = [c for c in needs if c not in rows[0]]
+        if missing:
+            raise DataError(f"dataset '{dataset}': format '{format}' needs column '{missing[0]}'; "
+                            f"columns are {list(rows[0])}")
+        rows = [convert(row) for row in rows]
     present = list(rows[0])
     # Mapping: expected name -> source name. A mapped source must exist.
     for target, source in columns.items():

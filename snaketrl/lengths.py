@@ -21,6 +21,21 @@ def _texts(tokenizer, prompts, completions):
     return [p + c + tokenizer.eos_token for p, c in zip(prompts, completions)], True
 
 
+def prompt_texts(tokenizer, prompts):
+    """Prompts as generation starts from them: conversational ones end with the assistant header."""
+    if is_conversational(prompts[0]):
+        return tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True), False
+    return list(prompts), True
+
+
+def tokenize_prompts(rows: list[dict], tokenizer, max_length: int) -> list[dict]:
+    """input_ids of each prompt (PPO's dataset), cut from the left to the histogram's max_length so the
+    end of the prompt, where generation continues, survives. Padding (left) happens in the collator."""
+    texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
+    ids = tokenizer(texts, add_special_tokens=special)["input_ids"]
+    return [{"input_ids": x[-max_length:]} for x in ids]
+
+
 def _count(tokenizer, texts, add_special_tokens) -> np.ndarray:
     # One batched call of the fast tokenizer; chat-rendered text carries its special tokens already.
     ids = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
@@ -37,6 +52,9 @@ def sequence_lengths(rows: list[dict], tokenizer, schema: str) -> np.ndarray:
         if "text" in rows[0]:
             return _count(tokenizer, [r["text"] + tokenizer.eos_token for r in rows], True)
         texts, special = _texts(tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+        return _count(tokenizer, texts, special)
+    if schema == "prompt":
+        texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
         return _count(tokenizer, texts, special)
     if schema == "preference":
         prompts = [r["prompt"] for r in rows]

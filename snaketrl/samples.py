@@ -113,7 +113,24 @@ def firefly(n: int, rng: random.Random) -> list[dict]:
     return rows
 
 
-GENERATORS = {"tldr": tldr, "ultrafeedback": ultrafeedback, "descriptiveness": descriptiveness, "firefly": firefly}
+ITEMS = ["apples", "books", "stickers", "marbles", "cookies", "pencils"]
+
+
+def arithmetic(n: int, rng: random.Random) -> list[dict]:
+    """openai/gsm8k: question/answer, the final number after `####` (verifiable rewards)."""
+    rows = []
+    for _ in range(n):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        rows.append({
+            "question": f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+            "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {item}.\n#### {a + b}",
+        })
+    return rows
+
+
+GENERATORS = {"tldr": tldr, "ultrafeedback": ultrafeedback, "descriptiveness": descriptiveness, "firefly": firefly,
+              "arithmetic": arithmetic}
 
 
 def write_samples(out_dir: str | Path, n: int = 400, seed: int = 0) -> list[Path]:

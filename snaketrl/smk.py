@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 from snaketrl.config import ConfigError
@@ -24,3 +25,6 @@ def logged(snakemake):
             print(line, file=log)
             print(line, file=sys.__stderr__)
             raise SystemExit(1) from None
+        except BaseException:
+            traceback.print_exc(file=log)  # the log is where users look first
+            raise

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 from snaketrl.config import ConfigError
@@ -48,8 +49,9 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
         # a config may only turn it off.
         "bf16": bf16 and args.get("bf16", True),
         "output_dir": output_dir,
-        REGISTRY[trainer].length_field: max_length,
     }
+    if REGISTRY[trainer].length_field:
+        kwargs[REGISTRY[trainer].length_field] = max_length
     if "save_safetensors" not in {f.name for f in dataclasses.fields(cls)}:
         kwargs.pop("save_safetensors")
     if not kwargs["bf16"]:
@@ -108,8 +110,64 @@ def last_checkpoint(checkpoint_dir: Path, fingerprint: str) -> str | None:
     return get_last_checkpoint(str(checkpoint_dir))
 
 
+def prepare_tokenizer(tokenizer, model=None, padding_side: str | None = None):
+    """A pad token distinct from eos (PPO and the reward model build masks from `!= pad_token_id`);
+    models whose tokenizer has none (Pythia) get one, with embeddings grown if needed."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    if padding_side:
+        tokenizer.padding_side = padding_side
+    if model is not None:
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
+def same_tokenizer(a, b) -> bool:
+    return (a.get_vocab() == b.get_vocab()
+            and (a.pad_token_id, a.eos_token_id, a.bos_token_id) == (b.pad_token_id, b.eos_token_id, b.bos_token_id))
+
+
+def check_reward_tokenizer(policy_tok, reward_dir, run_name: str) -> None:
+    """TRL issue 3595: PPO feeds the policy's token ids to the reward model unchanged."""
+    from transformers import AutoTokenizer
+
+    reward_tok = AutoTokenizer.from_pretrained(reward_dir)
+    if not same_tokenizer(policy_tok, reward_tok):
+        raise ConfigError(
+            f"run '{run_name}': the reward model {reward_dir} has another tokenizer than the policy "
+            f"(vocab {len(reward_tok)} vs {len(policy_tok)}, pad/eos {reward_tok.pad_token_id}/"
+            f"{reward_tok.eos_token_id} vs {policy_tok.pad_token_id}/{policy_tok.eos_token_id}); "
+            f"PPO passes token ids between them, so train the reward model from a model with the policy's tokenizer")
+    if policy_tok.pad_token_id == policy_tok.eos_token_id:
+        raise ConfigError(f"run '{run_name}': pad token equals eos token; PPO masks with != pad_token_id")
+
+
+def trainer_kwargs(spec, run_name: str, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
+    """What a trainer takes beyond model/args/data: reward functions, or PPO's reward and value models."""
+    if spec.rewards == "funcs":
+        from snaketrl.rewards import resolve
+
+        funcs = resolve(run.get("reward_funcs", []))
+        if reward_dir:
+            check_reward_tokenizer(tokenizer, reward_dir, run_name)
+            funcs.append(str(reward_dir))  # TRL loads it as a sequence classifier with its own tokenizer
+        return {"reward_funcs": funcs}
+    if spec.rewards == "ppo":
+        check_reward_tokenizer(tokenizer, reward_dir, run_name)
+        entry = {"trust_remote_code": False}
+        # The value model starts as a copy of the reward model; the reference is the adapter-free policy.
+        return {"reward_model": load_model(reward_dir, "reward", entry, bf16, "AutoModelForSequenceClassification",
+                                           num_labels=1),
+                "value_model": load_model(reward_dir, "value", entry, bf16, "AutoModelForSequenceClassification",
+                                          num_labels=1),
+                "ref_model": None}
+    return {}
+
+
 def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, eval_file, lengths_file,
-              out_dir, checkpoint_dir, manifest_inputs=(), callbacks=None) -> dict:
+              out_dir, checkpoint_dir, reward_dir=None, manifest_inputs=(), callbacks=None) -> dict:
     """Train one run; write adapter/, trainer_state.json, metrics.json, manifest.json into out_dir."""
     from snaketrl import manifest
     from snaketrl.config import lora_args, trl_args
@@ -129,31 +187,59 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
     set_seed(config["seed"])
     entry = config["models"][run["model"]]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
-    model = load_model(model_dir, run["model"], entry, args.bf16)
+    model_kwargs = {"num_labels": 1} if spec.task_type == "SEQ_CLS" else {}
+    model = load_model(model_dir, run["model"], entry, args.bf16, spec.model_class, **model_kwargs)
+    prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     lora = lora_args(config, run["model"])
     check_lora_targets(model, lora["target_modules"], run["model"])
-    peft_config = LoraConfig(task_type="CAUSAL_LM", **lora)
+    if spec.task_type == "SEQ_CLS":
+        # Known TRL pitfall: without this the freshly initialised `score` head is neither trained nor saved.
+        lora = {**lora, "modules_to_save": sorted({*lora.get("modules_to_save", []), "score"})}
+    peft_config = LoraConfig(task_type=spec.task_type, **lora)
+    extra = trainer_kwargs(spec, run_name, run, tokenizer, reward_dir, args.bf16)
 
     train_ds = Dataset.from_list(read_jsonl(train_file))
     eval_ds = Dataset.from_list(read_jsonl(eval_file))
     trainer_cls = load(spec.trainer)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
 
     resolved = {"run": run_name, **run, "args": user_args, "lora": lora, "max_length": lengths["max_length"],
                 "seed": config["seed"], "model_entry": entry, "dataset_entry": config["datasets"][run["dataset"]]}
-    resume = last_checkpoint(checkpoint_dir, _fingerprint(resolved))
-    if resume:
-        log.info("resuming %s from %s", run_name, resume)
-    result = trainer.train(resume_from_checkpoint=resume)
-    metrics = {**result.metrics, **trainer.evaluate()}
+    if spec.rewards == "ppo":
+        # PPO runs its own loop: no resume_from_checkpoint, no evaluate(), no final summary entry.
+        resume = None
+        started = time.perf_counter()
+        trainer.train()
+        metrics = {"train_runtime": time.perf_counter() - started, "global_step": trainer.state.global_step}
+        trainer.state.log_history.append({**metrics, "step": trainer.state.global_step})
+    else:
+        resume = last_checkpoint(checkpoint_dir, _fingerprint(resolved))
+        if resume:
+            log.info("resuming %s from %s", run_name, resume)
+        metrics = {**trainer.train(resume_from_checkpoint=resume).metrics, **trainer.evaluate()}
 
     out_dir = Path(out_dir)
     trainer.save_model(str(out_dir / "adapter"))
     tokenizer.save_pretrained(str(out_dir / "adapter"))
     trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    manifest.write(out_dir / "manifest.json", resolved=resolved, trl_args=args.to_dict(),
-                   files=[train_file, eval_file, lengths_file, *manifest_inputs],
+    inputs = [train_file, eval_file, lengths_file, *manifest_inputs]
+    manifest.write(out_dir / "manifest.json", resolved=resolved, trl_args=args.to_dict(), files=inputs,
                    device="cuda" if torch.cuda.is_available() else "cpu", resumed_from=resume)
     return metrics
+
+
+def merge(adapter_dir, out_dir, model_class: str = "AutoModelForCausalLM") -> None:
+    """Base model + LoRA adapter -> one model directory (safetensors) that loads without peft."""
+    import transformers
+    from peft import PeftConfig, PeftModel
+
+    base_dir = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    kwargs = {"num_labels": 1} if model_class == "AutoModelForSequenceClassification" else {}
+    base = getattr(transformers, model_class).from_pretrained(base_dir, **kwargs)
+    prepare_tokenizer(tokenizer, base)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,86 @@
+"""Reward functions for GRPO/RLOO/Online DPO, named in config.
+
+A config entry is a built-in name (`unique_chars`), a `package.module:function`, or a mapping
+`{function: NAME, kwargs: {...}}`. Each function takes TRL's (completions, **columns) and returns
+one float per completion.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+from snaketrl.config import ConfigError
+
+
+def _text(completion) -> str:
+    # Conversational completions arrive as [{"role": "assistant", "content": ...}].
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion)
+    return completion
+
+
+def unique_chars(completions, **_) -> list[float]:
+    """The seed document's example: the number of distinct characters."""
+    return [float(len(set(_text(c)))) for c in completions]
+
+
+def format_match(completions, pattern: str = r"^ ?\S.*[.!?]$", **_) -> list[float]:
+    """1.0 where the completion matches `pattern` (default: one sentence ending in . ! or ?)."""
+    regex = re.compile(pattern, re.DOTALL)
+    return [1.0 if regex.search(_text(c).strip("\n")) else 0.0 for c in completions]
+
+
+def keyword(completions, words=("feel",), **_) -> list[float]:
+    """Share of `words` that the completion contains."""
+    return [sum(w in _text(c) for w in words) / len(words) for c in completions]
+
+
+FINAL_NUMBER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def final_number(text: str) -> str | None:
+    match = FINAL_NUMBER.search(text)
+    return match.group(1).replace(",", "") if match else None
+
+
+def accuracy(completions, answer, **_) -> list[float]:
+    """gsm8k-style exact match: the number after `####` in the completion equals the answer's."""
+    out = []
+    for completion, ref in zip(completions, answer):
+        expected = final_number(ref) if "####" in ref else ref.strip()
+        got = final_number(_text(completion))
+        out.append(1.0 if got is not None and got == expected else 0.0)
+    return out
+
+
+BUILTINS = {"unique_chars": unique_chars, "format": format_match, "keyword": keyword, "accuracy": accuracy}
+
+
+def resolve_name(name: str):
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name:
+        raise ConfigError(f"config: reward_funcs: unknown reward function '{name}'; expected a built-in "
+                          f"({', '.join(sorted(BUILTINS))}) or 'package.module:function'")
+    module, _, attr = name.partition(":")
+    try:
+        func = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"config: reward_funcs: cannot import '{name}': {err}") from None
+    if not callable(func):
+        raise ConfigError(f"config: reward_funcs: '{name}' is not callable")
+    return func
+
+
+def resolve(entries) -> list:
+    funcs = []
+    for entry in entries:
+        if isinstance(entry, str):
+            funcs.append(resolve_name(entry))
+        else:
+            func = functools.partial(resolve_name(entry["function"]), **entry.get("kwargs", {}))
+            func.__name__ = entry["function"].rsplit(":", 1)[-1]  # TRL logs rewards/<name>/mean
+            funcs.append(func)
+    return funcs
