@@ -26,9 +26,10 @@ def run_inputs(wildcards):
     """A run's model (the base, or another run's merged model), data, lengths and reward model."""
     run = run_of(wildcards)
     spec = REGISTRY[run["trainer"]]
-    data = f"results/datasets/{run['dataset']}/{run['trainer']}"
+    parts = ["results/datasets", run["dataset"], run["trainer"]]
     if spec.tokenized:
-        data += f"/{run['model']}"
+        parts.append(run["model"])  # token ids depend on the model's tokenizer
+    data = "/".join(parts)
     inputs = {
         "model": merged(run["policy"]) if run.get("policy") else f"results/models/{run['model']}",
         "train": f"{data}/train.jsonl",

@@ -9,6 +9,8 @@ rule plot_run:
             caption="../report/curves.rst",
         ),
         csv="results/runs/{run}/log_history.csv",
+    params:
+        trainer=lambda wc: RUNS[wc.run]["trainer"],
     conda:
         "../envs/snaketrl.yaml"
     log:

@@ -29,22 +29,25 @@ def metric_group(key: str) -> str:
     return base
 
 
-def group_metrics(columns) -> dict[str, list[str]]:
+def group_metrics(columns, first=()) -> dict[str, list[str]]:
+    """Groups in reading order: the trainer's headline groups (`first`) lead, e.g. GRPO's reward
+    before its loss, which sits near zero by design."""
     groups: dict[str, list[str]] = defaultdict(list)
     for col in columns:
         if col not in NOT_CURVES:
             groups[metric_group(col)].append(col)
-    order = ["loss", "rewards", "logps", "logits", "mean_token_accuracy", "learning_rate", "grad_norm"]
+    order = [*dict.fromkeys(metric_group(k) for k in first), "loss", "rewards", "logps", "logits",
+             "mean_token_accuracy", "learning_rate", "grad_norm"]
     return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
 
 
-def plot_frame(df: pd.DataFrame, path, title: str, groups: dict[str, list[str]] | None = None) -> None:
+def plot_frame(df: pd.DataFrame, path, title: str, first=()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = groups or group_metrics(df.columns)
+    groups = group_metrics(df.columns, first)
     n = max(1, len(groups))
     cols = min(3, n)
     rows = -(-n // cols)
@@ -62,7 +65,7 @@ def plot_frame(df: pd.DataFrame, path, title: str, groups: dict[str, list[str]] 
     plt.close(fig)
 
 
-def plot_run(state_file, png, csv, title: str) -> None:
+def plot_run(state_file, png, csv, title: str, first=()) -> None:
     state = json.loads(open(state_file).read())
     pd.DataFrame(state["log_history"]).to_csv(csv, index=False)
-    plot_frame(log_frame(state), png, title)
+    plot_frame(log_frame(state), png, title, first)

@@ -41,9 +41,18 @@ def summarize(run: str, spec: dict, state: dict, lengths: dict, benchmark: pd.Da
     }
     if benchmark is not None and "max_rss" in benchmark:
         row["peak RSS (MB)"] = float(benchmark["max_rss"].iloc[0])
-    for key in REGISTRY[spec["trainer"]].headline:
-        row[key] = last_value(history, key)
+    row["headline (first → last log)"] = ", ".join(
+        f"{key} {_fmt(first_value(history, key))} → {_fmt(last_value(history, key))}"
+        for key in REGISTRY[spec["trainer"]].headline if last_value(history, key) is not None)
     return row
+
+
+def first_value(history: list[dict], key: str):
+    return last_value(history[::-1], key)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
 
 def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) -> bytes:

@@ -102,7 +102,8 @@ def last_checkpoint(checkpoint_dir: Path, fingerprint: str) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     stamp = checkpoint_dir / "snaketrl_run.json"
-    if checkpoint_dir.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text())["fingerprint"] != fingerprint):
+    stale = not stamp.is_file() or json.loads(stamp.read_text())["fingerprint"] != fingerprint
+    if stale and any(checkpoint_dir.glob("checkpoint-*")):
         log.warning("checkpoints in %s belong to another configuration: starting over", checkpoint_dir)
         shutil.rmtree(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +218,9 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
         resume = last_checkpoint(checkpoint_dir, _fingerprint(resolved))
         if resume:
             log.info("resuming %s from %s", run_name, resume)
-        metrics = {**trainer.train(resume_from_checkpoint=resume).metrics, **trainer.evaluate()}
+        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
+        if spec.evaluate:
+            metrics.update(trainer.evaluate())
 
     out_dir = Path(out_dir)
     trainer.save_model(str(out_dir / "adapter"))

@@ -23,6 +23,7 @@ class TrainerSpec:
     rewards: str | None = None  # "funcs": takes reward_funcs; "ppo": reward + value models
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
+    evaluate: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
 
 
 ONLINE = {"data": "prompt", "length_field": None, "rewards": "funcs", "generation_check": True,
@@ -47,7 +48,7 @@ REGISTRY: dict[str, TrainerSpec] = {
                         headline=("rewards/margins", "rewards/accuracies", "log_odds_ratio")),
     "online_dpo": TrainerSpec("trl.experimental.online_dpo:OnlineDPOConfig",
                               "trl.experimental.online_dpo:OnlineDPOTrainer", "prompt", rewards="funcs",
-                              length_field=None, overlay="objective/scores",
+                              length_field=None, evaluate=False, overlay="objective/scores",
                               headline=("objective/scores", "objective/kl", "rewards/margins")),
 }
 

@@ -10,9 +10,11 @@ SCHEMA = str(ROOT / "config" / "schema.yaml")
 
 def test_default_expands_to_trainer_by_model_matrix(config):
     runs = check(config)
-    assert sorted(runs) == ["dpo-pythia-tiny", "dpo-qwen2-tiny", "sft-pythia-tiny", "sft-qwen2-tiny"]
+    assert sorted(runs) == [f"{t}-{m}" for t in ("dpo", "grpo", "ppo", "reward", "sft")
+                            for m in ("pythia-tiny", "qwen2-tiny")]
     assert runs["dpo-qwen2-tiny"] == {"trainer": "dpo", "model": "qwen2-tiny", "dataset": "ultrafeedback",
                                       "args": {}}
+    assert runs["ppo-qwen2-tiny"]["dataset"] == "tldr"
 
 
 def test_schema_fills_defaults(config):
@@ -36,7 +38,7 @@ def test_model_needs_hub_or_tiny(config):
 
 def test_unknown_trainer(config):
     config["trainers"]["ppx"] = {"dataset": "tldr"}
-    with pytest.raises(ConfigError, match=r"^config: trainers.ppx: unknown trainer; expected one of \['dpo', 'sft'"):
+    with pytest.raises(ConfigError, match=r"^config: trainers.ppx: unknown trainer; expected one of \['dpo', 'grpo'"):
         check(config)
 
 
@@ -80,3 +82,52 @@ def test_no_runs_is_an_error(config):
     config["matrix"] = {"trainers": [], "models": []}
     with pytest.raises(ConfigError, match="no runs"):
         check(copy.deepcopy(config))
+
+
+def test_grpo_batch_not_divisible_by_num_generations(config):
+    config["trainers"]["grpo"]["args"].update(num_generations=3)
+    with pytest.raises(ConfigError, match=r"matrix \(run grpo-qwen2-tiny\): generation batch 8 \("
+                                          r"per_device_train_batch_size x steps_per_generation\) is not divisible "
+                                          r"by num_generations=3"):
+        check(config)
+
+
+def test_grpo_eval_batch_checked_when_evaluating(config):
+    config["trainers"]["grpo"]["args"].update(eval_strategy="steps", num_generations=8)
+    config["training"]["per_device_eval_batch_size"] = 12
+    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=12 is not divisible by num_generations=8"):
+        check(config)
+
+
+def test_generation_defaults_match_installed_trl():
+    import dataclasses
+
+    from trl import GRPOConfig, RLOOConfig
+
+    from snaketrl.config import BATCH_DEFAULTS, GENERATION_DEFAULTS
+
+    for trainer, cls in (("grpo", GRPOConfig), ("rloo", RLOOConfig)):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for key, value in {**BATCH_DEFAULTS, **GENERATION_DEFAULTS[trainer]}.items():
+            assert defaults[key] == value, (trainer, key)
+
+
+def test_wrong_reward_function_name(config):
+    config["trainers"]["grpo"]["reward_funcs"] = ["unique_chars", "lenght"]
+    with pytest.raises(ConfigError, match=r"reward_funcs: unknown reward function 'lenght'"):
+        check(config)
+
+
+def test_ppo_reward_model_must_be_a_reward_run(config):
+    config["trainers"]["ppo"]["reward_model"] = "sft-{model}"
+    with pytest.raises(ConfigError, match=r"reward_model: run 'sft-qwen2-tiny' trains 'sft', not a reward model"):
+        check(config)
+    config["trainers"]["ppo"]["reward_model"] = None
+    with pytest.raises(ConfigError, match=r"ppo needs a reward_model"):
+        check(config)
+
+
+def test_ppo_runs_point_at_their_models_reward_run(config):
+    runs = check(config)
+    assert runs["ppo-pythia-tiny"]["reward_model"] == "reward-pythia-tiny"
+    assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["unique_chars", "format"]

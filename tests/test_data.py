@@ -79,3 +79,46 @@ def test_hub_dataset_offline_names_what_to_prefetch(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match=r"dataset 'tldr': could not load 'trl-lib/tldr' .*pre-download it"):
         fetch("tldr", {"hub": "trl-lib/tldr", "split": "train[:10]"}, seed=0)
+
+
+SHARED = ROOT.parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (real public samples) not beside the checkout")
+
+
+@needs_shared
+def test_hh_dialogues_split_at_the_last_assistant_turn():
+    rows = read_jsonl(SHARED / "hh-rlhf-harmless-base/test.jsonl")[:50]
+    out = preprocess(rows, dataset="hh", trainer="dpo", schema="preference", columns={}, split="train", format="hh")
+    for row, src in zip(out, rows):
+        assert row["prompt"].startswith("\n\nHuman:") and row["prompt"].endswith("\n\nAssistant:")
+        assert row["prompt"] + row["chosen"] == src["chosen"]
+        assert row["prompt"] + row["rejected"] == src["rejected"]
+        assert row["chosen"] != row["rejected"]
+
+
+@needs_shared
+def test_alpaca_rows_become_conversations_with_history():
+    rows = read_jsonl(SHARED / "lima-llamafactory/test.jsonl")
+    out = preprocess(rows, dataset="lima", trainer="sft", schema="language_modeling", columns={}, split="train",
+                     format="alpaca")
+    multi = next(i for i, r in enumerate(rows) if r["history"])
+    assert [m["role"] for m in out[multi]["prompt"]] == ["user", "assistant"] * len(rows[multi]["history"]) + ["user"]
+    assert out[0]["completion"] == [{"role": "assistant", "content": rows[0]["output"]}]
+
+
+@needs_shared
+def test_gsm8k_and_tldr_samples_map_through_columns():
+    gsm = preprocess(read_jsonl(SHARED / "gsm8k/test.jsonl")[:5], dataset="gsm8k", trainer="grpo", schema="prompt",
+                     columns={"prompt": "question"}, split="train")
+    assert list(gsm[0]) == ["prompt", "answer"] and "####" in gsm[0]["answer"]
+    tldr = preprocess(read_jsonl(SHARED / "tldr-instructgpt-samples/test.jsonl")[:3], dataset="tldr", trainer="sft",
+                      schema="language_modeling", columns={"prompt": "context", "completion": "ref_text"},
+                      split="train")
+    assert tldr[0]["prompt"].endswith("TL;DR:")
+
+
+def test_format_needs_its_columns():
+    with pytest.raises(DataError, match=r"dataset 'x': format 'alpaca' needs column 'instruction'; columns are "
+                                        r"\['prompt', 'completion'\]"):
+        preprocess([{"prompt": "a", "completion": "b"}], dataset="x", trainer="sft", schema="language_modeling",
+                   columns={}, split="train", format="alpaca")

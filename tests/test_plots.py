@@ -39,3 +39,9 @@ def test_plot_run_writes_png_and_csv(tmp_path):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     csv = pd.read_csv(tmp_path / "c.csv")
     assert len(csv) == 4 and "rewards/margins" in csv.columns
+
+
+def test_headline_groups_lead():
+    groups = group_metrics(["loss", "reward", "reward_std", "kl", "rewards/unique_chars/mean"],
+                           first=("reward", "reward_std"))
+    assert list(groups) == ["reward", "reward_std", "loss", "rewards", "kl"]

@@ -39,7 +39,7 @@ def test_report_is_self_contained_and_lists_every_run(tmp_path):
     assert table["steps"].tolist() == [4, 4]
     assert table["eval loss"].tolist() == [0.6, 0.6]
     assert table["train loss (last log)"].tolist() == [0.5, 0.5]
-    assert table["rewards/margins"].tolist() == [0.4, 0.4]
+    assert table["headline (first → last log)"].tolist() == ["rewards/margins 0 → 0.4"] * 2
     assert table["peak RSS (MB)"].tolist() == [512, 512]
     # 2 runs x (curves + histogram) + 1 overlay for the one trainer; nothing loaded from elsewhere.
     assert len(re.findall(r'src="data:image/png;base64,', html)) == 5

@@ -1,6 +1,7 @@
 """The real workflow, run by Snakemake in a temporary copy of the project."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from snaketrl.trainers import REGISTRY
 
 PROJECT = ["Snakefile", "rules", "scripts", "config", "envs", "data", "report"]
 
@@ -21,9 +23,14 @@ def copy_project(dest):
     return dest
 
 
+def env(*paths):
+    # The snaketrl package of this checkout, whichever checkout pip installed last.
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)])}
+
+
 def snakemake(workdir, *args, timeout=900):
     return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env())
 
 
 def edit_config(workdir, change):
@@ -44,7 +51,7 @@ def workflow_run(tmp_path_factory):
 @pytest.mark.slow
 def test_report_lists_every_run(workflow_run):
     html = (workflow_run / "results/report.html").read_text()
-    for run in ["sft-qwen2-tiny", "sft-pythia-tiny", "dpo-qwen2-tiny", "dpo-pythia-tiny"]:
+    for run in [f"{t}-{m}" for t in ("sft", "dpo", "reward", "grpo", "ppo") for m in ("qwen2-tiny", "pythia-tiny")]:
         assert f'id="{run}"' in html
         assert f"<th>{run}</th>" in html
 
@@ -55,17 +62,29 @@ def test_every_run_logged_losses_and_trained_with_histogram_max_length(workflow_
         run = state_file.parent.name
         state = json.loads(state_file.read_text())
         losses = [e["loss"] for e in state["log_history"] if "loss" in e]
-        assert len(losses) >= 3, run
+        assert len(state["log_history"]) >= 3, run
         manifest = json.loads((state_file.parent / "manifest.json").read_text())
         trainer, model, dataset = (manifest["config"][k] for k in ("trainer", "model", "dataset"))
         lengths = json.loads((workflow_run / f"results/lengths/{trainer}/{dataset}/{model}.json").read_text())
-        assert manifest["trl_args"]["max_length"] == lengths["max_length"], run
+        spec = REGISTRY[trainer]
+        if spec.length_field:
+            assert manifest["trl_args"][spec.length_field] == lengths["max_length"], run
+        if spec.tokenized:
+            prompts = [json.loads(x) for x in (workflow_run / f"results/datasets/{dataset}/{trainer}/{model}/train.jsonl")
+                       .read_text().splitlines()]
+            assert max(len(p["input_ids"]) for p in prompts) <= lengths["max_length"]
+        if trainer == "reward":
+            assert json.loads((state_file.parent / "metrics.json").read_text())["eval_accuracy"] >= 0.8
+        if trainer == "ppo":
+            assert any("objective/rlhf_reward" in e for e in state["log_history"])
+        if trainer == "grpo":
+            assert sum("reward" in e for e in state["log_history"]) >= 3
         if trainer == "sft":
             assert losses[-1] < losses[0], (run, losses)
         if trainer == "dpo":
             accuracies = [e["rewards/accuracies"] for e in state["log_history"] if "rewards/accuracies" in e]
             assert accuracies and accuracies[-1] > 0.5, (run, accuracies)
-    assert len(list((workflow_run / "results/runs").glob("*/trainer_state.json"))) == 4
+    assert len(list((workflow_run / "results/runs").glob("*/trainer_state.json"))) == 10
 
 
 @pytest.mark.slow
@@ -81,7 +100,7 @@ def test_dry_run_never_imports_torch_transformers_or_trl(tmp_path):
         (trap / name).mkdir(parents=True)
         (trap / name / "__init__.py").write_text(f"raise ImportError('{name} imported while parsing')\n")
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--quiet", "all"], cwd=wd, capture_output=True,
-                          text=True, env={**__import__("os").environ, "PYTHONPATH": str(trap)})
+                          text=True, env=env(trap))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -92,7 +111,11 @@ def test_dry_run_never_imports_torch_transformers_or_trl(tmp_path):
      "snaketrl: config: runs.extra.model: unknown model 'nope'"),
     (lambda c: c["runs"].update(extra={"trainer": "sft", "model": "qwen2-tiny", "dataset": "nope"}),
      "snaketrl: config: runs.extra.dataset: unknown dataset 'nope'"),
-    (lambda c: c["length"].update(round_to="big"), "'big' is not of type 'integer'"),
+    (lambda c: c["length"].update(round_to="big"), "snaketrl: config: length.round_to: 'big' is not of type 'integer'"),
+    (lambda c: c["trainers"]["grpo"].update(reward_funcs=["lenght"]),
+     "reward_funcs: unknown reward function 'lenght'"),
+    (lambda c: c["trainers"]["grpo"]["args"].update(num_generations=3),
+     "generation batch 8 (per_device_train_batch_size x steps_per_generation) is not divisible by num_generations=3"),
 ])
 def test_bad_config_fails_at_parse_time(tmp_path, change, message):
     wd = copy_project(tmp_path / "wf")
@@ -127,3 +150,26 @@ def test_bad_input_fails_with_one_line_and_leaves_no_output(tmp_path, change, ta
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not (wd / absent).exists()
+
+
+def test_ppo_waits_for_its_reward_model_in_the_dag(tmp_path):
+    wd = copy_project(tmp_path / "wf")
+    proc = snakemake(wd, "-n", "--forceall", "results/runs/ppo-qwen2-tiny/trainer_state.json", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    # The reward run is trained and merged before PPO, and PPO's job takes the merged reward model as input.
+    assert "wildcards: run=reward-qwen2-tiny" in out
+    ppo_job = out[out.index("wildcards: run=ppo-qwen2-tiny") - 1500:out.index("wildcards: run=ppo-qwen2-tiny")]
+    assert "results/runs/reward-qwen2-tiny/merged" in ppo_job.rsplit("rule train", 1)[1]
+    dag = snakemake(wd, "--dag", "--forceall", "results/runs/ppo-qwen2-tiny/trainer_state.json", timeout=60).stdout
+    assert "merge" in dag and "run: reward-qwen2-tiny" in dag
+
+
+def test_ppo_can_start_from_the_sft_runs_merged_adapter(tmp_path):
+    wd = copy_project(tmp_path / "wf")
+    edit_config(wd, lambda c: c["trainers"]["ppo"].update(policy="sft-{model}"))
+    proc = snakemake(wd, "-n", "--forceall", "results/runs/ppo-pythia-tiny/trainer_state.json", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ppo_job = proc.stdout[:proc.stdout.index("wildcards: run=ppo-pythia-tiny")].rsplit("rule train", 1)[1]
+    assert "results/runs/sft-pythia-tiny/merged" in ppo_job
+    assert "results/runs/reward-pythia-tiny/merged" in ppo_job

@@ -1,0 +1,30 @@
+import pytest
+
+from snaketrl.config import ConfigError
+from snaketrl.rewards import accuracy, format_match, keyword, resolve, unique_chars
+
+
+def test_builtins_score_each_completion():
+    assert unique_chars(["aab", "abc", ""]) == [2.0, 3.0, 0.0]
+    assert unique_chars([[{"role": "assistant", "content": "xyz"}]]) == [3.0]
+    assert format_match([" Sam sold my car.", "no end", "Two. Sentences here"]) == [1.0, 0.0, 0.0]
+    assert keyword(["I feel fine", "nothing"], words=["feel", "fine"]) == [1.0, 0.0]
+
+
+def test_accuracy_compares_final_numbers():
+    answers = ["Sam has 3 + 4 = <<3+4=7>>7.\n#### 7"] * 3
+    assert accuracy(["so #### 7", "#### 8", "seven"], answer=answers) == [1.0, 0.0, 0.0]
+    assert accuracy(["#### 1,234"], answer=["1234"]) == [1.0]
+
+
+def test_resolve_names_modules_and_kwargs():
+    funcs = resolve(["unique_chars", "operator:length_hint", {"function": "keyword", "kwargs": {"words": ["x"]}}])
+    assert funcs[0] is unique_chars
+    assert funcs[2](["x", "y"]) == [1.0, 0.0] and funcs[2].__name__ == "keyword"
+
+
+def test_bad_names_are_clear():
+    with pytest.raises(ConfigError, match=r"unknown reward function 'uniq'; expected a built-in"):
+        resolve(["uniq"])
+    with pytest.raises(ConfigError, match=r"cannot import 'nosuchmod:f'"):
+        resolve(["nosuchmod:f"])

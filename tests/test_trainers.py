@@ -1,0 +1,143 @@
+"""Every trainer in the registry trains a few steps on a tiny model, through the same train_run."""
+
+import json
+import math
+
+import pytest
+
+from conftest import ROOT
+from snaketrl.config import check
+from snaketrl.data import SCHEMAS, preprocess, read_jsonl, write_jsonl
+from snaketrl.lengths import tokenize_prompts
+from snaketrl.trainers import REGISTRY
+
+DATA = {"language_modeling": ("tldr", {}), "preference": ("descriptiveness", {}), "prompt": ("tldr", {})}
+FAST = {"max_steps": 3, "logging_steps": 1, "eval_strategy": "no", "save_steps": 100,
+        "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4}
+PER_TRAINER = {
+    "grpo": {"num_generations": 2, "max_completion_length": 8},
+    "rloo": {"num_generations": 2, "max_completion_length": 8},
+    "online_dpo": {"max_new_tokens": 8},
+    "ppo": {"total_episodes": 12, "local_rollout_forward_batch_size": 4, "response_length": 8,
+            "num_sample_generations": 0, "num_ppo_epochs": 1, "stop_token": "eos"},
+}
+# What each trainer's users read, and that must be logged.
+EXPECTED = {
+    "sft": {"loss", "mean_token_accuracy"},
+    "dpo": {"loss", "rewards/accuracies", "rewards/margins"},
+    "reward": {"loss", "accuracy", "margin"},
+    "grpo": {"loss", "reward", "reward_std", "rewards/unique_chars/mean"},
+    "rloo": {"loss", "reward", "rewards/unique_chars/mean"},
+    "ppo": {"objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg"},
+    "kto": {"loss", "rewards/chosen"},
+    "orpo": {"loss", "log_odds_ratio"},
+    "online_dpo": {"loss", "objective/scores"},
+}
+
+
+def test_every_registered_trainer_has_a_test():
+    assert set(EXPECTED) == set(REGISTRY)
+    assert {spec.data for spec in REGISTRY.values()} <= set(SCHEMAS)
+
+
+def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
+    from transformers import AutoTokenizer
+
+    dataset, columns = DATA[REGISTRY[trainer].data]
+    config["training"].update(FAST)
+    config["trainers"].setdefault(trainer, {"dataset": dataset})
+    config["trainers"][trainer]["args"] = PER_TRAINER.get(trainer, {})
+    config["trainers"][trainer].update(run_extra)
+    # The reward run is there for PPO's reward_model reference; the tests pass its merged model directly.
+    config["runs"] = {f"t-{trainer}": {"trainer": trainer, "model": "qwen2-tiny", "dataset": dataset},
+                      "reward-qwen2-tiny": {"trainer": "reward", "model": "qwen2-tiny"}}
+    config["matrix"] = {"trainers": [], "models": []}
+    if trainer in ("grpo", "rloo", "online_dpo") and "reward_model" not in run_extra:
+        config["trainers"][trainer]["reward_funcs"] = ["unique_chars"]
+    run = check(config)[f"t-{trainer}"]
+    rows = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:24], dataset=dataset, trainer=trainer,
+                      schema=REGISTRY[trainer].data, columns=columns, split="train")
+    (tmp / "lengths.json").write_text(json.dumps({"max_length": 64}))
+    if REGISTRY[trainer].tokenized:
+        rows = tokenize_prompts(rows, AutoTokenizer.from_pretrained(tiny_model_dir), 48)
+    write_jsonl(rows[:20], tmp / "train.jsonl")
+    write_jsonl(rows[20:], tmp / "eval.jsonl")
+    return {"run_name": f"t-{trainer}", "run": run, "config": config, "model_dir": tiny_model_dir,
+            "train_file": tmp / "train.jsonl", "eval_file": tmp / "eval.jsonl", "lengths_file": tmp / "lengths.json",
+            "out_dir": tmp / "out", "checkpoint_dir": tmp / "ckpt"}
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_model_dir):
+    """A reward model trained on the learnable descriptiveness sample, merged as PPO loads it."""
+    import copy
+
+    import yaml
+    from snakemake.utils import validate
+
+    from snaketrl.train import merge, train_run
+
+    tmp = tmp_path_factory.mktemp("reward")
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(cfg, str(ROOT / "config/schema.yaml"))
+    inputs = prepare(tmp, copy.deepcopy(cfg), tiny_model_dir, "reward")
+    inputs["config"]["training"].update(max_steps=30, eval_strategy="no")
+    rows = preprocess(read_jsonl(ROOT / "data/samples/descriptiveness.jsonl"), dataset="d", trainer="reward",
+                      schema="preference", columns={}, split="train")
+    write_jsonl(rows[:300], tmp / "train.jsonl")
+    write_jsonl(rows[300:], tmp / "eval.jsonl")
+    metrics = train_run(**inputs)
+    merge(tmp / "out" / "adapter", tmp / "merged", "AutoModelForSequenceClassification")
+    return tmp / "merged", metrics
+
+
+def test_reward_model_loads_as_classifier_and_beats_chance(reward_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    path, metrics = reward_model_dir
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    assert model.config.num_labels == 1 and model.score.out_features == 1
+    assert metrics["eval_accuracy"] >= 0.8  # 100 held-out pairs; chance is 0.5
+
+
+@pytest.mark.parametrize("trainer", sorted(REGISTRY))
+def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, reward_model_dir):
+    from snaketrl.train import train_run
+
+    inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
+    if REGISTRY[trainer].rewards == "ppo":
+        inputs["reward_dir"] = reward_model_dir[0]
+    train_run(**inputs)
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    logged = {k for entry in state["log_history"] for k in entry}
+    assert EXPECTED[trainer] <= logged, sorted(logged)
+    values = [v for entry in state["log_history"] for k, v in entry.items() if k in EXPECTED[trainer]]
+    assert values and all(math.isfinite(v) for v in values)
+    assert state["global_step"] >= 3
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_grpo_scores_with_the_trained_reward_model(tmp_path, config, tiny_model_dir, reward_model_dir):
+    from snaketrl.train import train_run
+
+    inputs = prepare(tmp_path, config, tiny_model_dir, "grpo", reward_model=None)
+    inputs["run"]["reward_funcs"] = []
+    train_run(**inputs, reward_dir=reward_model_dir[0])
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert any(k.startswith("rewards/") and k.endswith("/mean") for e in state["log_history"] for k in e)
+
+
+def test_reward_model_with_another_tokenizer_is_refused(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from snaketrl.config import ConfigError
+    from snaketrl.models import train_tokenizer
+    from snaketrl.train import check_reward_tokenizer
+
+    other = train_tokenizer(["a small corpus for another tokenizer"] * 10, vocab_size=300)
+    other.save_pretrained(tmp_path / "other")
+    policy = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match=r"run 'ppo-x': the reward model .*other has another tokenizer than the "
+                                          r"policy \(vocab \d+ vs 1024"):
+        check_reward_tokenizer(policy, tmp_path / "other", "ppo-x")
+    check_reward_tokenizer(policy, tiny_model_dir, "ppo-x")
