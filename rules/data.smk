@@ -1,3 +1,8 @@
+# Hub downloads run on the submitting machine: cluster nodes often have no internet.
+localrules:
+    get_dataset,
+
+
 rule get_dataset:
     output:
         train="results/datasets/{dataset}/raw/train.jsonl",

@@ -1,5 +1,5 @@
 from snaketrl.models import download
 from snaketrl.smk import logged
 
-with logged(snakemake):
+with logged(snakemake, offline=False):
     download(snakemake.wildcards.model, snakemake.params.entry, snakemake.output[0])

@@ -1,10 +1,25 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 from snaketrl.smk import logged
-from snaketrl.train import train_run
+from snaketrl.train import launch_command, train_run
 
 with logged(snakemake):
-    metrics = train_run(
+    spec = dict(
         run_name=snakemake.wildcards.run, run=snakemake.params.run, config=snakemake.config,
         model_dir=snakemake.input.model, train_file=snakemake.input.train, eval_file=snakemake.input.eval,
         lengths_file=snakemake.input.lengths, reward_dir=snakemake.input.get("reward_model"),
-        out_dir=snakemake.output.adapter.rsplit("/", 1)[0], checkpoint_dir=snakemake.params.checkpoints)
-    print(metrics)
+        out_dir=str(Path(snakemake.output.adapter).parent), checkpoint_dir=snakemake.params.checkpoints)
+    gpus = int(snakemake.resources.get("gpu", 0) or 0)
+    if gpus > 1:
+        # More than one GPU in this job: one process per GPU via accelerate, same function.
+        spec_file = Path(snakemake.params.checkpoints) / "launch_spec.json"
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        spec_file.write_text(json.dumps(spec, default=str))
+        cmd = launch_command(gpus, spec_file)
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, stdout=sys.stdout, stderr=sys.stderr)  # into this rule's log
+    else:
+        print(train_run(**spec))

@@ -122,6 +122,10 @@ def check(config: dict) -> dict[str, dict]:
                 raise ConfigError(f"config: {where}.{key}: unknown {key} '{run[key]}'; "
                                   f"expected one of {sorted(config[pool])}")
         _check_run_rewards(config, runs, name, run, where)
+        for key in trl_args(config, run):
+            if key.endswith("_token") and key.startswith(("hub", "push_to_hub")):  # a secret would reach manifests
+                raise ConfigError(f"config: {where}: '{key}': secrets do not belong in config; set HF_TOKEN "
+                                  f"in the environment")
     for name, model in config["models"].items():
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "

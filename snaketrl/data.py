@@ -55,17 +55,26 @@ def _load_files(name: str, path: str) -> list[dict]:
 
 
 def _load_hub(name: str, entry: dict, split: str) -> list[dict]:
+    """load_dataset of a Hub id, or of a local directory laid out like a Hub dataset repo."""
     import datasets
 
+    from snaketrl import hub
+
+    repo = entry["hub"]
+    prefetch = (f"`datasets.load_dataset('{repo}'{', ' + repr(entry['name']) if entry.get('name') else ''})"
+                f"[split].to_json(...)` for each split, copy the files here and use `files:` (or a local "
+                f"directory as `hub:`)")
+    if not Path(repo).is_dir():
+        try:
+            hub.require("dataset", name, repo, prefetch)
+        except hub.HubUnreachable as err:
+            raise DataError(str(err)) from None
     try:
-        return datasets.load_dataset(entry["hub"], entry.get("name"), split=split).to_list()
-    except Exception as err:  # offline, gated, or a typo in the id: say what to pre-fetch
-        raise DataError(
-            f"dataset '{name}': could not load '{entry['hub']}' (split '{split}') with datasets.load_dataset: "
-            f"{type(err).__name__}: {err}. Without Hub access, pre-download it on a machine with internet "
-            f"(`datasets.load_dataset('{entry['hub']}').save_to_disk(...)` or export it to jsonl) and point "
-            f"the entry at local `files:` instead."
-        ) from err
+        return datasets.load_dataset(repo, entry.get("name"), split=split,
+                                     revision=entry.get("revision")).to_list()
+    except Exception as err:  # gated, a typo in the id or split: say what was asked
+        raise DataError(f"dataset '{name}': datasets.load_dataset('{repo}', split='{split}') failed: "
+                        f"{type(err).__name__}: {err}. To work offline: {prefetch}") from err
 
 
 def fetch(name: str, entry: dict, seed: int) -> tuple[list[dict], list[dict]]:

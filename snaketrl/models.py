@@ -75,25 +75,34 @@ def build_tiny_from_files(spec: dict, data_files, out_dir, seed: int) -> None:
     build_tiny(spec, texts(), out_dir, seed)
 
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+# What training needs: configs, tokenizer files and safetensors weights (no .bin, no optimizer states).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 
 
 def download(name: str, entry: dict, out_dir: str | Path) -> None:
-    """snapshot_download of only what training needs (weights as safetensors, configs, tokenizer)."""
-    from huggingface_hub import snapshot_download
+    """snapshot_download of only what training needs; a local directory (pre-downloaded, or a test's
+    fake hub) is copied with the same filter."""
+    import fnmatch
+    import shutil
 
-    repo = entry["hub"]
-    if Path(repo).is_dir():  # a local copy (pre-downloaded, or a test's fake hub)
-        import shutil
+    from snaketrl import hub
 
-        shutil.copytree(repo, out_dir, dirs_exist_ok=True)
-        return
-    try:
-        snapshot_download(repo, revision=entry.get("revision", "main"), local_dir=out_dir,
-                          allow_patterns=HUB_PATTERNS)
-    except Exception as err:
-        raise RuntimeError(
-            f"model '{name}': could not download '{repo}' from the Hugging Face Hub: {type(err).__name__}: {err}. "
-            f"Without Hub access, pre-download it elsewhere (`huggingface-cli download {repo} --local-dir DIR`), "
-            f"copy DIR here and set models.{name}.hub to that directory."
-        ) from err
+    repo, out_dir = entry["hub"], Path(out_dir)
+    patterns = HUB_PATTERNS if entry.get("trust_remote_code") else [p for p in HUB_PATTERNS if p != "*.py"]
+    if Path(repo).is_dir():
+        for src in sorted(Path(repo).rglob("*")):
+            rel = src.relative_to(repo)
+            if src.is_file() and not rel.parts[0].startswith(".") and any(
+                    fnmatch.fnmatch(rel.name, p) for p in patterns):
+                (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, out_dir / rel)
+    else:
+        from huggingface_hub import snapshot_download
+
+        prefetch = (f"`hf download {repo} --local-dir DIR` (revision {entry.get('revision', 'main')}), copy DIR "
+                    f"here and set models.{name}.hub to DIR")
+        hub.require("model", name, repo, prefetch)
+        snapshot_download(repo, revision=entry.get("revision", "main"), local_dir=out_dir, allow_patterns=patterns)
+    if not any(out_dir.glob("*.safetensors")) and not any(out_dir.glob("*/*.safetensors")):
+        raise RuntimeError(f"model '{name}': '{repo}' has no safetensors weights; this workflow loads only "
+                           f"safetensors (convert the checkpoint first)")

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 from snaketrl.config import ConfigError
 from snaketrl.data import DataError
+from snaketrl.hub import HubUnreachable
 
 
 @contextmanager
-def logged(snakemake):
+def logged(snakemake, offline: bool = True):
     """Send the script's output to the rule's log; a config/data error becomes one clear line
-    (also on the console), not a traceback."""
+    (also on the console), not a traceback. Every job but a download runs offline, on the
+    local copies the download rules made (cluster nodes often have no internet)."""
+    if offline:
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with open(snakemake.log[0], "w", buffering=1) as log, redirect_stdout(log), redirect_stderr(log):
         logging.basicConfig(stream=log, level=logging.INFO, force=True,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
             yield
-        except (ConfigError, DataError) as err:
+        except (ConfigError, DataError, HubUnreachable) as err:
             line = f"snaketrl: error in rule {snakemake.rule}: {err}"
             print(line, file=log)
             print(line, file=sys.__stderr__)

@@ -223,7 +223,9 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
             metrics.update(trainer.evaluate())
 
     out_dir = Path(out_dir)
-    trainer.save_model(str(out_dir / "adapter"))
+    trainer.save_model(str(out_dir / "adapter"))  # collective under accelerate: every rank calls it
+    if not trainer.is_world_process_zero():
+        return metrics
     tokenizer.save_pretrained(str(out_dir / "adapter"))
     trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -246,3 +248,21 @@ def merge(adapter_dir, out_dir, model_class: str = "AutoModelForCausalLM") -> No
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def launch_command(gpus: int, spec_file) -> list[str]:
+    """One process per GPU on this node (`accelerate launch`), each running train_run from a JSON spec."""
+    return ["accelerate", "launch", "--multi_gpu", f"--num_processes={gpus}", "--num_machines=1",
+            "--mixed_precision=no",  # TRL's config decides bf16 from the hardware
+            "-m", "snaketrl.train", str(spec_file)]
+
+
+def main(argv=None) -> None:
+    import sys
+
+    spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    train_run(**spec)
+
+
+if __name__ == "__main__":
+    main()

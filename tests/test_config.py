@@ -131,3 +131,9 @@ def test_ppo_runs_point_at_their_models_reward_run(config):
     runs = check(config)
     assert runs["ppo-pythia-tiny"]["reward_model"] == "reward-pythia-tiny"
     assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["unique_chars", "format"]
+
+
+def test_tokens_in_config_are_refused(config):
+    config["training"]["hub_token"] = "hf_x"
+    with pytest.raises(ConfigError, match=r"'hub_token': secrets do not belong in config; set HF_TOKEN"):
+        check(config)

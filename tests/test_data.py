@@ -74,11 +74,16 @@ def test_fetch_parquet_and_explicit_eval(tmp_path):
     assert evals == [{"prompt": "q", "completion": "r"}]
 
 
-def test_hub_dataset_offline_names_what_to_prefetch(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match=r"dataset 'tldr': could not load 'trl-lib/tldr' .*pre-download it"):
+def test_hub_dataset_offline_fails_at_once_naming_what_to_prefetch(monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: as offline as it gets
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"^dataset 'tldr': cannot reach the Hugging Face Hub \(http://127.0.0.1:9\) "
+                                        r"to fetch 'trl-lib/tldr'. On a machine with internet: "
+                                        r"`datasets.load_dataset\('trl-lib/tldr'\)"):
         fetch("tldr", {"hub": "trl-lib/tldr", "split": "train[:10]"}, seed=0)
+    assert time.perf_counter() - start < 5
 
 
 SHARED = ROOT.parent / "shared" / "data"
