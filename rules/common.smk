@@ -59,10 +59,6 @@ def length_batch_size(wildcards):
     return 8
 
 
-def mem_mb(base):
-    """Memory that grows with each retry (attempt 1, 2, ...)."""
-    return lambda wildcards, attempt: base * attempt
-
-
-def runtime(base):
+def per_attempt(base):
+    """A resource (mem_mb, runtime) that grows with each retry: attempt 1, 2, ..."""
     return lambda wildcards, attempt: base * attempt

@@ -13,8 +13,8 @@ rule train:
         checkpoints=lambda wc: f"results/checkpoints/{wc.run}",
     threads: 2
     resources:
-        mem_mb=mem_mb(8000),
-        runtime=runtime(120),
+        mem_mb=per_attempt(8000),
+        runtime=per_attempt(120),
         gpu=0,
     conda:
         "../envs/snaketrl.yaml"
@@ -36,7 +36,7 @@ rule merge:
     params:
         model_class=model_class,
     resources:
-        mem_mb=mem_mb(8000),
+        mem_mb=per_attempt(8000),
     conda:
         "../envs/snaketrl.yaml"
     log:

@@ -84,39 +84,49 @@ def _lengths_file(results: Path, spec: dict) -> Path:
     return results / "lengths" / spec["trainer"] / spec["dataset"] / f"{spec['model']}.json"
 
 
-def summary_table(runs: dict[str, dict], results) -> pd.DataFrame:
+def load_runs(runs: dict[str, dict], results) -> dict[str, dict]:
+    """Each run's state, lengths, benchmark and manifest, read once."""
     results = Path(results)
-    rows = []
+    loaded = {}
     for run, spec in runs.items():
-        state = json.loads((results / "runs" / run / "trainer_state.json").read_text())
-        lengths = json.loads(_lengths_file(results, spec).read_text())
+        run_dir = results / "runs" / run
         bench_file = results / "benchmarks" / "train" / f"{run}.tsv"
-        bench = pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None
-        rows.append(summarize(run, spec, state, lengths, bench))
+        loaded[run] = {
+            "state": json.loads((run_dir / "trainer_state.json").read_text()),
+            "lengths_file": _lengths_file(results, spec),
+            "lengths": json.loads(_lengths_file(results, spec).read_text()),
+            "bench": pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None,
+            "manifest_file": run_dir / "manifest.json",
+            "curves": run_dir / "curves.png",
+        }
+    return loaded
+
+
+def summary_table(runs: dict[str, dict], results, loaded: dict[str, dict] | None = None) -> pd.DataFrame:
+    loaded = loaded or load_runs(runs, results)
+    rows = [summarize(run, spec, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"])
+            for run, spec in runs.items()]
     return pd.DataFrame(rows).set_index("run")
 
 
 def render(*, runs: dict[str, dict], results: Path, out: Path) -> str:
     import jinja2
 
-    results = Path(results)
+    loaded = load_runs(runs, results)
     sections, by_trainer = [], {}
     for run, spec in runs.items():
-        run_dir = results / "runs" / run
-        state = json.loads((run_dir / "trainer_state.json").read_text())
-        lengths_json = _lengths_file(results, spec)
-        lengths = json.loads(lengths_json.read_text())
-        by_trainer.setdefault(spec["trainer"], {})[run] = state
-        manifest = json.loads((run_dir / "manifest.json").read_text())
+        data = loaded[run]
+        by_trainer.setdefault(spec["trainer"], {})[run] = data["state"]
+        manifest = json.loads(data["manifest_file"].read_text())
         sections.append({
-            "run": run, "spec": spec, "lengths": lengths,
-            "curves": data_uri(run_dir / "curves.png"),
-            "histogram": data_uri(lengths_json.with_suffix(".png")),
+            "run": run, "spec": spec, "lengths": data["lengths"],
+            "curves": data_uri(data["curves"]),
+            "histogram": data_uri(data["lengths_file"].with_suffix(".png")),
             "config": json.dumps(manifest.get("config", {}), indent=2),
             "manifest": json.dumps({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}, indent=2),
             "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
         })
-    table = summary_table(runs, results)
+    table = summary_table(runs, results, loaded)
     overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states, runs))} for t, states in by_trainer.items()]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(

@@ -43,7 +43,6 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
     kwargs = {
         "report_to": "none",
         "seed": seed,
-        "save_safetensors": True,
         **args,
         # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
         # a config may only turn it off.
@@ -52,8 +51,6 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
     }
     if REGISTRY[trainer].length_field:
         kwargs[REGISTRY[trainer].length_field] = max_length
-    if "save_safetensors" not in {f.name for f in dataclasses.fields(cls)}:
-        kwargs.pop("save_safetensors")
     if not kwargs["bf16"]:
         kwargs.setdefault("fp16", False)
     return cls(**kwargs)
