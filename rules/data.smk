@@ -26,7 +26,7 @@ rule preprocess:
         train="results/datasets/{dataset}/{trainer}/train.jsonl",
         eval="results/datasets/{dataset}/{trainer}/eval.jsonl",
     params:
-        schema=lambda wc: REGISTRY[wc.trainer].data,
+        layout=lambda wc: REGISTRY[wc.trainer].layout,
         columns=lambda wc: config["datasets"][wc.dataset]["columns"],
         format=lambda wc: config["datasets"][wc.dataset]["format"],
     conda:
@@ -49,7 +49,7 @@ rule length_histogram:
             caption="../report/lengths.rst",
         ),
     params:
-        schema=lambda wc: REGISTRY[wc.trainer].data,
+        layout=lambda wc: REGISTRY[wc.trainer].layout,
         length=config["length"],
         batch_size=length_batch_size,
         seed=config["seed"],

@@ -10,7 +10,7 @@ with logged(snakemake):
     w = snakemake.wildcards
     tokenizer = AutoTokenizer.from_pretrained(snakemake.input.model)
     cap = getattr(AutoConfig.from_pretrained(snakemake.input.model), "max_position_embeddings", None)
-    lengths = sequence_lengths(read_jsonl(snakemake.input.train), tokenizer, snakemake.params.schema)
+    lengths = sequence_lengths(read_jsonl(snakemake.input.train), tokenizer, snakemake.params.layout)
     stats = length_stats(lengths, **snakemake.params.length, cap=cap, batch_size=snakemake.params.batch_size,
                          seed=snakemake.params.seed)
     plot_histogram(lengths, stats, snakemake.output.png, f"{w.trainer} / {w.dataset} / {w.model}")

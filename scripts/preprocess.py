@@ -4,7 +4,7 @@ from snaketrl.smk import logged
 with logged(snakemake):
     # Both splits are checked before either is written.
     out = {split: preprocess(read_jsonl(snakemake.input[split]), dataset=snakemake.wildcards.dataset,
-                             trainer=snakemake.wildcards.trainer, schema=snakemake.params.schema,
+                             trainer=snakemake.wildcards.trainer, layout=snakemake.params.layout,
                              columns=snakemake.params.columns, split=split,
                              format=snakemake.params.format)
            for split in ("train", "eval")}

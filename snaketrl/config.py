@@ -8,11 +8,9 @@ from __future__ import annotations
 import copy
 import re
 
+from snaketrl.errors import ConfigError
+from snaketrl.rewards import BUILTINS
 from snaketrl.trainers import REGISTRY
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def validate(config: dict, schema_path: str) -> None:
@@ -134,8 +132,6 @@ def check(config: dict) -> dict[str, dict]:
 
 
 def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: str) -> None:
-    from snaketrl.rewards import BUILTINS
-
     spec = REGISTRY[run["trainer"]]
     for key, trainer in (("reward_model", "reward"), ("policy", None)):
         ref = run.get(key)
@@ -145,12 +141,12 @@ def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: st
             raise ConfigError(f"config: {where}.{key}: no run named '{ref}'; runs are {sorted(runs)}")
         if trainer and runs[ref]["trainer"] != trainer:
             raise ConfigError(f"config: {where}.{key}: run '{ref}' trains '{runs[ref]['trainer']}', not a reward model")
-    if spec.rewards == "ppo" and not run.get("reward_model"):
+    if spec.value_model and not run.get("reward_model"):
         raise ConfigError(f"config: {where}: ppo needs a reward_model (a run of the reward trainer, e.g. "
                           f"'reward-{{model}}')")
-    if spec.rewards == "funcs" and not (run.get("reward_funcs") or run.get("reward_model")):
+    if spec.reward_funcs and not (run.get("reward_funcs") or run.get("reward_model")):
         raise ConfigError(f"config: {where}: {run['trainer']} needs reward_funcs or a reward_model")
-    if spec.rewards != "funcs" and run.get("reward_funcs"):
+    if not spec.reward_funcs and run.get("reward_funcs"):
         raise ConfigError(f"config: {where}.reward_funcs: trainer '{run['trainer']}' takes no reward functions")
     for entry in run.get("reward_funcs", []):
         fname = entry if isinstance(entry, str) else entry["function"]

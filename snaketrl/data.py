@@ -10,18 +10,18 @@ import os
 from pathlib import Path
 
 # Columns each trainer family consumes, as alternatives (first match wins).
-SCHEMAS: dict[str, list[tuple[str, ...]]] = {
+LAYOUTS: dict[str, list[tuple[str, ...]]] = {
     "language_modeling": [("prompt", "completion"), ("messages",), ("text",)],
     "preference": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
     # Online trainers pass extra columns to reward functions: keep a gsm8k-style `answer`.
     "prompt": [("prompt", "answer"), ("prompt",)],
 }
 
+from snaketrl.errors import DataError
+
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
-    pass
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -147,9 +147,9 @@ def from_hh(row: dict) -> dict:
 FORMATS = {"alpaca": (from_alpaca, ("instruction", "output")), "hh": (from_hh, ("chosen", "rejected"))}
 
 
-def preprocess(rows: list[dict], *, dataset: str, trainer: str, schema: str, columns: dict[str, str],
+def preprocess(rows: list[dict], *, dataset: str, trainer: str, layout: str, columns: dict[str, str],
                split: str, format: str | None = None) -> list[dict]:
-    """Map a dataset's rows to the columns `schema` expects; other columns are dropped."""
+    """Map a dataset's rows to the columns `layout` expects; other columns are dropped."""
     if not rows:
         raise DataError(f"dataset '{dataset}' ({split} split, for trainer '{trainer}'): no rows")
     if format:
@@ -166,16 +166,16 @@ def preprocess(rows: list[dict], *, dataset: str, trainer: str, schema: str, col
             raise DataError(f"dataset '{dataset}': column mapping {target} -> '{source}': no column '{source}'; "
                             f"columns are {present}")
     renamed = {c: c for c in present} | columns  # expected name -> source column
-    for wanted in SCHEMAS[schema]:
+    for wanted in LAYOUTS[layout]:
         if all(c in renamed for c in wanted):
             break
     else:
-        options = " or ".join("(" + ", ".join(w) + ")" for w in SCHEMAS[schema])
+        options = " or ".join("(" + ", ".join(w) + ")" for w in LAYOUTS[layout])
         raise DataError(f"dataset '{dataset}': trainer '{trainer}' needs columns {options}; "
-                        f"missing '{_first_missing(SCHEMAS[schema][0], renamed)}'; columns are {present} "
+                        f"missing '{_first_missing(LAYOUTS[layout][0], renamed)}'; columns are {present} "
                         f"(map names with datasets.{dataset}.columns)")
     out = [{c: row[renamed[c]] for c in wanted} for row in rows]
-    if schema == "preference" and "prompt" not in wanted:
+    if layout == "preference" and "prompt" not in wanted:
         for row in out:
             row["prompt"], row["chosen"], row["rejected"] = _split_prompt(row["chosen"], row["rejected"])
         out = [{k: row[k] for k in ("prompt", "chosen", "rejected")} for row in out]

@@ -10,6 +10,8 @@ import os
 import socket
 from urllib.parse import urlparse
 
+from snaketrl.errors import HubUnreachable
+
 
 def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
@@ -32,7 +34,3 @@ def require(kind: str, name: str, repo: str, prefetch: str) -> None:
         raise HubUnreachable(
             f"{kind} '{name}': cannot reach the Hugging Face Hub ({endpoint()}) to fetch '{repo}'. "
             f"On a machine with internet: {prefetch}")
-
-
-class HubUnreachable(RuntimeError):
-    pass

@@ -42,10 +42,10 @@ def _count(tokenizer, texts, add_special_tokens) -> np.ndarray:
     return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
 
 
-def sequence_lengths(rows: list[dict], tokenizer, schema: str) -> np.ndarray:
+def sequence_lengths(rows: list[dict], tokenizer, layout: str) -> np.ndarray:
     """Tokens per example. Preference pairs count the longer of prompt+chosen and prompt+rejected,
     since TRL truncates each to max_length."""
-    if schema == "language_modeling":
+    if layout == "language_modeling":
         if "messages" in rows[0]:
             return _count(tokenizer, tokenizer.apply_chat_template([r["messages"] for r in rows], tokenize=False),
                           False)
@@ -53,15 +53,15 @@ def sequence_lengths(rows: list[dict], tokenizer, schema: str) -> np.ndarray:
             return _count(tokenizer, [r["text"] + tokenizer.eos_token for r in rows], True)
         texts, special = _texts(tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
         return _count(tokenizer, texts, special)
-    if schema == "prompt":
+    if layout == "prompt":
         texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
         return _count(tokenizer, texts, special)
-    if schema == "preference":
+    if layout == "preference":
         prompts = [r["prompt"] for r in rows]
         chosen, special = _texts(tokenizer, prompts, [r["chosen"] for r in rows])
         rejected, _ = _texts(tokenizer, prompts, [r["rejected"] for r in rows])
         return np.maximum(_count(tokenizer, chosen, special), _count(tokenizer, rejected, special))
-    raise ValueError(f"no length rule for schema '{schema}'")
+    raise ValueError(f"no length rule for layout '{layout}'")
 
 
 def choose_max_length(lengths: np.ndarray, keep_share: float, round_to: int, cap: int | None) -> int:

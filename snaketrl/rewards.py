@@ -11,7 +11,7 @@ import functools
 import importlib
 import re
 
-from snaketrl.config import ConfigError
+from snaketrl.errors import ConfigError
 
 
 def _text(completion) -> str:

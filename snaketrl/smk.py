@@ -8,9 +8,7 @@ import sys
 import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
-from snaketrl.config import ConfigError
-from snaketrl.data import DataError
-from snaketrl.hub import HubUnreachable
+from snaketrl.errors import SnaketrlError
 
 
 @contextmanager
@@ -25,7 +23,7 @@ def logged(snakemake, offline: bool = True):
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
             yield
-        except (ConfigError, DataError, HubUnreachable) as err:
+        except SnaketrlError as err:
             line = f"snaketrl: error in rule {snakemake.rule}: {err}"
             print(line, file=log)
             print(line, file=sys.__stderr__)

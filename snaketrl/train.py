@@ -11,7 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
-from snaketrl.config import ConfigError
+from snaketrl.errors import ConfigError
 from snaketrl.data import read_jsonl
 from snaketrl.trainers import REGISTRY, load
 
@@ -144,7 +144,7 @@ def check_reward_tokenizer(policy_tok, reward_dir, run_name: str) -> None:
 
 def trainer_kwargs(spec, run_name: str, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     """What a trainer takes beyond model/args/data: reward functions, or PPO's reward and value models."""
-    if spec.rewards == "funcs":
+    if spec.reward_funcs:
         from snaketrl.rewards import resolve
 
         funcs = resolve(run.get("reward_funcs", []))
@@ -152,7 +152,7 @@ def trainer_kwargs(spec, run_name: str, run: dict, tokenizer, reward_dir, bf16: 
             check_reward_tokenizer(tokenizer, reward_dir, run_name)
             funcs.append(str(reward_dir))  # TRL loads it as a sequence classifier with its own tokenizer
         return {"reward_funcs": funcs}
-    if spec.rewards == "ppo":
+    if spec.value_model:
         check_reward_tokenizer(tokenizer, reward_dir, run_name)
         entry = {"trust_remote_code": False}
         # The value model starts as a copy of the reward model; the reference is the adapter-free policy.
@@ -204,7 +204,7 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
 
     resolved = {"run": run_name, **run, "args": user_args, "lora": lora, "max_length": lengths["max_length"],
                 "seed": config["seed"], "model_entry": entry, "dataset_entry": config["datasets"][run["dataset"]]}
-    if spec.rewards == "ppo":
+    if spec.own_loop:
         # PPO runs its own loop: no resume_from_checkpoint, no evaluate(), no final summary entry.
         resume = None
         started = time.perf_counter()
@@ -216,7 +216,7 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
         if resume:
             log.info("resuming %s from %s", run_name, resume)
         metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
-        if spec.evaluate:
+        if spec.evaluates:
             metrics.update(trainer.evaluate())
 
     out_dir = Path(out_dir)

@@ -8,7 +8,7 @@ from snaketrl.data import DataError, fetch, preprocess, read_jsonl, split_rows
 
 def test_firefly_column_mapping():
     rows = read_jsonl(ROOT / "data/samples/firefly.jsonl")[:5]
-    out = preprocess(rows, dataset="firefly", trainer="sft", schema="language_modeling",
+    out = preprocess(rows, dataset="firefly", trainer="sft", layout="language_modeling",
                      columns={"prompt": "input", "completion": "target"}, split="train")
     assert [list(r) for r in out] == [["prompt", "completion"]] * 5  # `kind` dropped
     assert out[0] == {"prompt": rows[0]["input"], "completion": rows[0]["target"]}
@@ -17,7 +17,7 @@ def test_firefly_column_mapping():
 def test_missing_column_names_dataset_column_and_columns():
     rows = read_jsonl(ROOT / "data/samples/firefly.jsonl")[:3]
     with pytest.raises(DataError) as err:
-        preprocess(rows, dataset="firefly", trainer="sft", schema="language_modeling", columns={}, split="train")
+        preprocess(rows, dataset="firefly", trainer="sft", layout="language_modeling", columns={}, split="train")
     assert str(err.value) == (
         "dataset 'firefly': trainer 'sft' needs columns (prompt, completion) or (messages) or (text); "
         "missing 'prompt'; columns are ['kind', 'input', 'target'] (map names with datasets.firefly.columns)")
@@ -27,12 +27,12 @@ def test_mapping_to_absent_column():
     with pytest.raises(DataError, match=r"column mapping prompt -> 'question': no column 'question'; "
                                         r"columns are \['kind', 'input', 'target'\]"):
         preprocess(read_jsonl(ROOT / "data/samples/firefly.jsonl")[:3], dataset="firefly", trainer="sft",
-                   schema="language_modeling", columns={"prompt": "question"}, split="train")
+                   layout="language_modeling", columns={"prompt": "question"}, split="train")
 
 
 def test_implicit_prompt_is_extracted_from_conversations():
     rows = read_jsonl(ROOT / "data/samples/ultrafeedback.jsonl")[:4]
-    out = preprocess(rows, dataset="uf", trainer="dpo", schema="preference", columns={}, split="train")
+    out = preprocess(rows, dataset="uf", trainer="dpo", layout="preference", columns={}, split="train")
     assert list(out[0]) == ["prompt", "chosen", "rejected"]
     assert [m["role"] for m in out[0]["prompt"]] == ["user"]
     assert [m["role"] for m in out[0]["chosen"]] == ["assistant"]
@@ -41,13 +41,13 @@ def test_implicit_prompt_is_extracted_from_conversations():
 
 def test_explicit_prompt_kept_for_string_preferences():
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:2]
-    out = preprocess(rows, dataset="d", trainer="dpo", schema="preference", columns={}, split="eval")
+    out = preprocess(rows, dataset="d", trainer="dpo", layout="preference", columns={}, split="eval")
     assert out == [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in rows]
 
 
 def test_empty_split_is_an_error():
     with pytest.raises(DataError, match=r"dataset 'tldr' \(eval split, for trainer 'sft'\): no rows"):
-        preprocess([], dataset="tldr", trainer="sft", schema="language_modeling", columns={}, split="eval")
+        preprocess([], dataset="tldr", trainer="sft", layout="language_modeling", columns={}, split="eval")
 
 
 def test_missing_file_is_an_error(tmp_path):
@@ -93,7 +93,7 @@ needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data (r
 @needs_shared
 def test_hh_dialogues_split_at_the_last_assistant_turn():
     rows = read_jsonl(SHARED / "hh-rlhf-harmless-base/test.jsonl")[:50]
-    out = preprocess(rows, dataset="hh", trainer="dpo", schema="preference", columns={}, split="train", format="hh")
+    out = preprocess(rows, dataset="hh", trainer="dpo", layout="preference", columns={}, split="train", format="hh")
     for row, src in zip(out, rows):
         assert row["prompt"].startswith("\n\nHuman:") and row["prompt"].endswith("\n\nAssistant:")
         assert row["prompt"] + row["chosen"] == src["chosen"]
@@ -104,7 +104,7 @@ def test_hh_dialogues_split_at_the_last_assistant_turn():
 @needs_shared
 def test_alpaca_rows_become_conversations_with_history():
     rows = read_jsonl(SHARED / "lima-llamafactory/test.jsonl")
-    out = preprocess(rows, dataset="lima", trainer="sft", schema="language_modeling", columns={}, split="train",
+    out = preprocess(rows, dataset="lima", trainer="sft", layout="language_modeling", columns={}, split="train",
                      format="alpaca")
     multi = next(i for i, r in enumerate(rows) if r["history"])
     assert [m["role"] for m in out[multi]["prompt"]] == ["user", "assistant"] * len(rows[multi]["history"]) + ["user"]
@@ -113,11 +113,11 @@ def test_alpaca_rows_become_conversations_with_history():
 
 @needs_shared
 def test_gsm8k_and_tldr_samples_map_through_columns():
-    gsm = preprocess(read_jsonl(SHARED / "gsm8k/test.jsonl")[:5], dataset="gsm8k", trainer="grpo", schema="prompt",
+    gsm = preprocess(read_jsonl(SHARED / "gsm8k/test.jsonl")[:5], dataset="gsm8k", trainer="grpo", layout="prompt",
                      columns={"prompt": "question"}, split="train")
     assert list(gsm[0]) == ["prompt", "answer"] and "####" in gsm[0]["answer"]
     tldr = preprocess(read_jsonl(SHARED / "tldr-instructgpt-samples/test.jsonl")[:3], dataset="tldr", trainer="sft",
-                      schema="language_modeling", columns={"prompt": "context", "completion": "ref_text"},
+                      layout="language_modeling", columns={"prompt": "context", "completion": "ref_text"},
                       split="train")
     assert tldr[0]["prompt"].endswith("TL;DR:")
 
@@ -125,5 +125,5 @@ def test_gsm8k_and_tldr_samples_map_through_columns():
 def test_format_needs_its_columns():
     with pytest.raises(DataError, match=r"dataset 'x': format 'alpaca' needs column 'instruction'; columns are "
                                         r"\['prompt', 'completion'\]"):
-        preprocess([{"prompt": "a", "completion": "b"}], dataset="x", trainer="sft", schema="language_modeling",
+        preprocess([{"prompt": "a", "completion": "b"}], dataset="x", trainer="sft", layout="language_modeling",
                    columns={}, split="train", format="alpaca")

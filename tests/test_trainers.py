@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.config import check
-from snaketrl.data import SCHEMAS, preprocess, read_jsonl, write_jsonl
+from snaketrl.data import LAYOUTS, preprocess, read_jsonl, write_jsonl
 from snaketrl.lengths import tokenize_prompts
 from snaketrl.trainers import REGISTRY
 
@@ -37,13 +37,13 @@ EXPECTED = {
 
 def test_every_registered_trainer_has_a_test():
     assert set(EXPECTED) == set(REGISTRY)
-    assert {spec.data for spec in REGISTRY.values()} <= set(SCHEMAS)
+    assert {spec.layout for spec in REGISTRY.values()} <= set(LAYOUTS)
 
 
 def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
     from transformers import AutoTokenizer
 
-    dataset, columns = DATA[REGISTRY[trainer].data]
+    dataset, columns = DATA[REGISTRY[trainer].layout]
     config["training"].update(FAST)
     config["trainers"].setdefault(trainer, {"dataset": dataset})
     config["trainers"][trainer]["args"] = PER_TRAINER.get(trainer, {})
@@ -56,7 +56,7 @@ def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
         config["trainers"][trainer]["reward_funcs"] = ["unique_chars"]
     run = check(config)[f"t-{trainer}"]
     rows = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:24], dataset=dataset, trainer=trainer,
-                      schema=REGISTRY[trainer].data, columns=columns, split="train")
+                      layout=REGISTRY[trainer].layout, columns=columns, split="train")
     (tmp / "lengths.json").write_text(json.dumps({"max_length": 64}))
     if REGISTRY[trainer].tokenized:
         rows = tokenize_prompts(rows, AutoTokenizer.from_pretrained(tiny_model_dir), 48)
@@ -83,7 +83,7 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
     inputs = prepare(tmp, copy.deepcopy(cfg), tiny_model_dir, "reward")
     inputs["config"]["training"].update(max_steps=30, eval_strategy="no")
     rows = preprocess(read_jsonl(ROOT / "data/samples/descriptiveness.jsonl"), dataset="d", trainer="reward",
-                      schema="preference", columns={}, split="train")
+                      layout="preference", columns={}, split="train")
     write_jsonl(rows[:300], tmp / "train.jsonl")
     write_jsonl(rows[300:], tmp / "eval.jsonl")
     metrics = train_run(**inputs)
@@ -105,7 +105,7 @@ def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, rew
     from snaketrl.train import train_run
 
     inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
-    if REGISTRY[trainer].rewards == "ppo":
+    if REGISTRY[trainer].value_model:
         inputs["reward_dir"] = reward_model_dir[0]
     train_run(**inputs)
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
