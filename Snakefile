@@ -31,4 +31,4 @@ include: "rules/report.smk"
 
 rule all:
     input:
-        "results/report.html",
+        paths.report(),

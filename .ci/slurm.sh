@@ -88,10 +88,10 @@ python3 "$repo/.ci/derive_profile.py" "$repo/profiles/slurm/config.yaml" "$work/
 
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
-(cd "$work/local" && snakemake --cores 2 results/report.html > "$work/local.log" 2>&1)
+(cd "$work/local" && snakemake --cores 2 all > "$work/local.log" 2>&1)
 echo "local run: $(( $(date +%s) - start )) s"
 start=$(date +%s)
-(cd "$work/slurm" && timeout 900 snakemake --profile "$work/profile" results/report.html > "$work/slurm.log" 2>&1 || { tail -40 "$work/slurm.log"; exit 1; })
+(cd "$work/slurm" && timeout 900 snakemake --profile "$work/profile" all > "$work/slurm.log" 2>&1 || { tail -40 "$work/slurm.log"; exit 1; })
 echo "SLURM run: $(( $(date +%s) - start )) s"
 
 python3 "$repo/.ci/check_slurm_run.py" "$work/local" "$work/slurm" "$work/log/slurmctld.log"

@@ -1,8 +1,8 @@
 """What a models x trainers matrix costs, from the benchmark files of a finished run.
 
-Reads results/benchmarks/train/*.tsv (Snakemake's per-job wall time and peak memory) and each run's
-manifest (its trainer), then projects a matrix: jobs submitted and GPU-hours of training.
-Usage: python bench/matrix_cost.py [--results results] [--models 3] [--trainers sft dpo grpo ppo] [--gpus-per-job 1]
+Reads the train rule's benchmark files (Snakemake's per-job wall time and peak memory) and each run's
+manifest (its trainer) in a workflow directory, then projects a matrix: jobs submitted and GPU-hours of training.
+Usage: python bench/matrix_cost.py [--workdir .] [--models 3] [--trainers sft dpo grpo ppo] [--gpus-per-job 1]
 """
 
 import argparse
@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from snaketrl import paths
 
-def per_trainer(results: Path) -> pd.DataFrame:
+
+def per_trainer(workdir: Path) -> pd.DataFrame:
     rows = []
-    for bench in sorted((results / "benchmarks" / "train").glob("*.tsv")):
-        manifest = results / "runs" / bench.stem / "manifest.json"
+    for bench in sorted((workdir / paths.benchmark("train", "x")).parent.glob("*.tsv")):
+        manifest = workdir / paths.run_file(bench.stem, "manifest.json")
         if not manifest.is_file():
             continue
         trainer = json.loads(manifest.read_text())["config"]["trainer"]
@@ -43,12 +45,12 @@ def project(table: pd.DataFrame, models: int, trainers: list[str], gpus: int) ->
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--results", default="results", type=Path)
+    ap.add_argument("--workdir", default=".", type=Path, help="where the workflow ran (it holds results/)")
     ap.add_argument("--models", type=int, default=3)
     ap.add_argument("--trainers", nargs="+", default=["sft", "dpo", "grpo", "ppo"])
     ap.add_argument("--gpus-per-job", type=int, default=1)
     opts = ap.parse_args()
-    table = per_trainer(opts.results)
+    table = per_trainer(opts.workdir)
     print(table.to_markdown(floatfmt=".1f"))
     p = project(table, opts.models, opts.trainers, opts.gpus_per_job)
     print(f"\n{opts.models} models x {len(opts.trainers)} trainers ({', '.join(opts.trainers)}): {p['runs']} training "

@@ -1,5 +1,7 @@
 import re
 
+from snaketrl import paths
+from snaketrl.config import canonical, local_files
 from snaketrl.trainers import REGISTRY
 
 
@@ -9,7 +11,7 @@ def _alternatives(names):
 
 TINY_MODELS = [m for m, e in config["models"].items() if "tiny" in e]
 HUB_MODELS = [m for m, e in config["models"].items() if "hub" in e]
-USED_DATASETS = sorted({run["dataset"] for run in RUNS.values()})
+
 
 wildcard_constraints:
     run=_alternatives(RUNS),
@@ -22,41 +24,89 @@ def run_of(wildcards):
     return RUNS[wildcards.run]
 
 
+def base_of(run):
+    """A run's starting model: its base model, or another run's merged model (`policy`)."""
+    return paths.merged(run["policy"]) if run["policy"] else paths.model(run["model"])
+
+
 def run_inputs(wildcards):
-    """A run's model (the base, or another run's merged model), data, lengths and reward model."""
+    """A run's model, data, lengths and reward model."""
     run = run_of(wildcards)
-    spec = REGISTRY[run["trainer"]]
-    parts = ["results/datasets", run["dataset"], run["trainer"]]
-    if spec.tokenized:
-        parts.append(run["model"])  # token ids depend on the model's tokenizer
-    data = "/".join(parts)
-    inputs = {
-        "model": merged(run["policy"]) if run.get("policy") else f"results/models/{run['model']}",
-        "train": f"{data}/train.jsonl",
-        "eval": f"{data}/eval.jsonl",
-        "lengths": f"results/lengths/{run['trainer']}/{run['dataset']}/{run['model']}.json",
-    }
-    if run.get("reward_model"):
-        inputs["reward_model"] = merged(run["reward_model"])
+    t, d, m = run["trainer"], run["dataset"], run["model"]
+    if REGISTRY[t].tokenized:  # token ids depend on the model's tokenizer
+        data = {s: paths.tokenized(d, t, m, s) for s in ("train", "eval")}
+    else:
+        data = {s: paths.prepared(d, t, s) for s in ("train", "eval")}
+    inputs = {"model": base_of(run), **data, "lengths": paths.lengths(t, d, m)}
+    if run["reward_model"]:
+        inputs["reward_model"] = paths.merged(run["reward_model"])
     return inputs
 
 
-def merged(run):
-    return f"results/runs/{run}/merged"
+def dataset_source(wildcards):
+    """The local files of a dataset entry: an edit of them refetches the dataset."""
+    return list(local_files(config["datasets"][wildcards.dataset]).values())
 
 
-def model_class(wildcards):
-    return REGISTRY[RUNS[wildcards.run]["trainer"]].model_class
+def dataset_fetch(wildcards):
+    """What decides the fetched rows (not the column mapping or format: preprocessing applies those)."""
+    entry = config["datasets"][wildcards.dataset]
+    keep = {k: v for k, v in entry.items() if k not in ("columns", "format")}
+    return canonical({**keep, "seed": config["seed"]})
 
 
-def length_batch_size(wildcards):
-    """Batch size the padding estimate assumes: that of the first run sharing these lengths."""
-    from snaketrl.config import trl_args
+def dataset_mapping(wildcards):
+    entry = config["datasets"][wildcards.dataset]
+    return canonical(
+        {
+            "layout": REGISTRY[wildcards.trainer].layout,
+            "columns": entry["columns"],
+            "format": entry["format"],
+            "bad_rows": entry.get("bad_rows", "error"),
+        }
+    )
 
-    for run in RUNS.values():
-        if (run["trainer"], run["dataset"], run["model"]) == (wildcards.trainer, wildcards.dataset, wildcards.model):
-            return trl_args(config, run).get("per_device_train_batch_size", 8)
-    return 8
+
+def tiny_entry(wildcards):
+    return canonical(
+        {**config["models"][wildcards.model]["tiny"], "seed": config["seed"]}
+    )
+
+
+def length_settings(wildcards):
+    """How the histogram chooses max_length, and the batch size its padding estimate assumes: that of
+    the first run (by name) sharing these lengths."""
+    key = (wildcards.trainer, wildcards.dataset, wildcards.model)
+    batch = next(
+        (
+            run["args"].get("per_device_train_batch_size", 8)
+            for _, run in sorted(RUNS.items())
+            if (run["trainer"], run["dataset"], run["model"]) == key
+        ),
+        8,
+    )
+    return canonical(
+        {
+            **config["length"],
+            "layout": REGISTRY[wildcards.trainer].layout,
+            "batch_size": batch,
+            "seed": config["seed"],
+        }
+    )
+
+
+def merge_settings(wildcards):
+    return {"task_type": REGISTRY[run_of(wildcards)["trainer"]].task_type}
+
+
+def plot_settings(wildcards):
+    spec = REGISTRY[run_of(wildcards)["trainer"]]
+    return {"title": wildcards.run, "first": [spec.overlay, *spec.headline]}
+
+
+def report_runs():
+    """Every run, by name: the report's inputs are lists in this order."""
+    return sorted(RUNS)
 
 
 def per_attempt(base):

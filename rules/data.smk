@@ -4,59 +4,58 @@ localrules:
 
 
 rule get_dataset:
+    input:
+        dataset_source,
     output:
-        train="results/datasets/{dataset}/raw/train.jsonl",
-        eval="results/datasets/{dataset}/raw/eval.jsonl",
-    params:
-        entry=lambda wc: config["datasets"][wc.dataset],
-        seed=config["seed"],
-    conda:
-        "../envs/snaketrl.yaml"
+        train=paths.raw("{dataset}", "train"),
+        eval=paths.raw("{dataset}", "eval"),
+        origin=paths.raw_origin("{dataset}"),
     log:
-        "results/logs/get_dataset/{dataset}.log",
+        paths.log("get_dataset", "{dataset}"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        entry=dataset_fetch,
     script:
         "../scripts/get_dataset.py"
 
 
 rule preprocess:
     input:
-        train="results/datasets/{dataset}/raw/train.jsonl",
-        eval="results/datasets/{dataset}/raw/eval.jsonl",
+        train=paths.raw("{dataset}", "train"),
+        eval=paths.raw("{dataset}", "eval"),
+        origin=paths.raw_origin("{dataset}"),
     output:
-        train="results/datasets/{dataset}/{trainer}/train.jsonl",
-        eval="results/datasets/{dataset}/{trainer}/eval.jsonl",
-    params:
-        layout=lambda wc: REGISTRY[wc.trainer].layout,
-        columns=lambda wc: config["datasets"][wc.dataset]["columns"],
-        format=lambda wc: config["datasets"][wc.dataset]["format"],
-    conda:
-        "../envs/snaketrl.yaml"
+        train=paths.prepared("{dataset}", "{trainer}", "train"),
+        eval=paths.prepared("{dataset}", "{trainer}", "eval"),
+        summary=paths.prepared_summary("{dataset}", "{trainer}"),
     log:
-        "results/logs/preprocess/{dataset}/{trainer}.log",
+        paths.log("preprocess", "{dataset}", "{trainer}"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        mapping=dataset_mapping,
     script:
         "../scripts/preprocess.py"
 
 
 rule length_histogram:
     input:
-        model="results/models/{model}",
-        train="results/datasets/{dataset}/{trainer}/train.jsonl",
+        model=paths.model("{model}"),
+        train=paths.prepared("{dataset}", "{trainer}", "train"),
     output:
-        json="results/lengths/{trainer}/{dataset}/{model}.json",
+        json=paths.lengths("{trainer}", "{dataset}", "{model}"),
         png=report(
-            "results/lengths/{trainer}/{dataset}/{model}.png",
+            paths.lengths("{trainer}", "{dataset}", "{model}", "png"),
             category="Sequence lengths",
             caption="../report/lengths.rst",
         ),
-    params:
-        layout=lambda wc: REGISTRY[wc.trainer].layout,
-        length=config["length"],
-        batch_size=length_batch_size,
-        seed=config["seed"],
-    conda:
-        "../envs/snaketrl.yaml"
     log:
-        "results/logs/length_histogram/{trainer}/{dataset}/{model}.log",
+        paths.log("length_histogram", "{trainer}", "{dataset}", "{model}"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        settings=length_settings,
     script:
         "../scripts/length_histogram.py"
 
@@ -64,16 +63,16 @@ rule length_histogram:
 # PPO consumes token ids: prompts cut from the left to the histogram's length, per model tokenizer.
 rule tokenize_prompts:
     input:
-        model="results/models/{model}",
-        train="results/datasets/{dataset}/{trainer}/train.jsonl",
-        eval="results/datasets/{dataset}/{trainer}/eval.jsonl",
-        lengths="results/lengths/{trainer}/{dataset}/{model}.json",
+        model=paths.model("{model}"),
+        train=paths.prepared("{dataset}", "{trainer}", "train"),
+        eval=paths.prepared("{dataset}", "{trainer}", "eval"),
+        lengths=paths.lengths("{trainer}", "{dataset}", "{model}"),
     output:
-        train="results/datasets/{dataset}/{trainer}/{model}/train.jsonl",
-        eval="results/datasets/{dataset}/{trainer}/{model}/eval.jsonl",
-    conda:
-        "../envs/snaketrl.yaml"
+        train=paths.tokenized("{dataset}", "{trainer}", "{model}", "train"),
+        eval=paths.tokenized("{dataset}", "{trainer}", "{model}", "eval"),
     log:
-        "results/logs/tokenize_prompts/{dataset}/{trainer}/{model}.log",
+        paths.log("tokenize_prompts", "{dataset}", "{trainer}", "{model}"),
+    conda:
+        "../envs/data.yaml"
     script:
         "../scripts/tokenize_prompts.py"

@@ -4,18 +4,20 @@ localrules:
 
 rule tiny_model:
     input:
-        expand("results/datasets/{dataset}/raw/train.jsonl", dataset=USED_DATASETS),
+        corpus=lambda wc: config["models"][wc.model]["tiny"]["corpus"],
     output:
-        directory("results/models/{model}"),
+        directory(paths.model("{model}")),
+    log:
+        paths.log("tiny_model", "{model}"),
+    benchmark:
+        paths.benchmark("tiny_model", "{model}")
     wildcard_constraints:
         model=_alternatives(TINY_MODELS),
-    params:
-        spec=lambda wc: config["models"][wc.model]["tiny"],
-        seed=config["seed"],
     conda:
-        "../envs/snaketrl.yaml"
-    log:
-        "results/logs/tiny_model/{model}.log",
+        "../envs/train.yaml"
+    threads: 2
+    params:
+        tiny=tiny_entry,
     script:
         "../scripts/tiny_model.py"
 
@@ -23,14 +25,14 @@ rule tiny_model:
 # Cluster nodes often have no internet: downloads run on the submitting machine.
 rule download_model:
     output:
-        directory("results/models/{model}"),
+        directory(paths.model("{model}")),
+    log:
+        paths.log("download_model", "{model}"),
     wildcard_constraints:
         model=_alternatives(HUB_MODELS),
-    params:
-        entry=lambda wc: config["models"][wc.model],
     conda:
-        "../envs/snaketrl.yaml"
-    log:
-        "results/logs/download_model/{model}.log",
+        "../envs/data.yaml"
+    params:
+        entry=lambda wc: canonical(config["models"][wc.model]),
     script:
         "../scripts/download_model.py"

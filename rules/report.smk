@@ -1,42 +1,53 @@
 rule plot_run:
     input:
-        "results/runs/{run}/trainer_state.json",
+        paths.run_file("{run}", "trainer_state.json"),
     output:
         png=report(
-            "results/runs/{run}/curves.png",
+            paths.run_file("{run}", "curves.png"),
             category="Training curves",
             subcategory="{run}",
             caption="../report/curves.rst",
         ),
-        csv="results/runs/{run}/log_history.csv",
-    params:
-        trainer=lambda wc: RUNS[wc.run]["trainer"],
-    conda:
-        "../envs/snaketrl.yaml"
+        csv=paths.run_file("{run}", "log_history.csv"),
     log:
-        "results/logs/plot_run/{run}.log",
+        paths.log("plot_run", "{run}"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        settings=plot_settings,
     script:
         "../scripts/plot_run.py"
 
 
+# Lists in the order of report_runs(): the report reads its inputs, never paths of its own.
 rule report:
     input:
-        states=expand("results/runs/{run}/trainer_state.json", run=RUNS),
-        metrics=expand("results/runs/{run}/metrics.json", run=RUNS),
-        manifests=expand("results/runs/{run}/manifest.json", run=RUNS),
-        curves=expand("results/runs/{run}/curves.png", run=RUNS),
+        states=[paths.run_file(r, "trainer_state.json") for r in report_runs()],
+        metrics=[paths.run_file(r, "metrics.json") for r in report_runs()],
+        manifests=[paths.run_file(r, "manifest.json") for r in report_runs()],
+        curves=[paths.run_file(r, "curves.png") for r in report_runs()],
         lengths=[
-            f"results/lengths/{r['trainer']}/{r['dataset']}/{r['model']}.json"
-            for r in RUNS.values()
+            paths.lengths(*(RUNS[r][k] for k in ("trainer", "dataset", "model")))
+            for r in report_runs()
         ],
-        benchmarks=expand("results/benchmarks/train/{run}.tsv", run=RUNS),
+        histograms=[
+            paths.lengths(
+                *(RUNS[r][k] for k in ("trainer", "dataset", "model")), "png"
+            )
+            for r in report_runs()
+        ],
+        benchmarks=[paths.benchmark("train", r) for r in report_runs()],
+        summaries=[
+            paths.prepared_summary(RUNS[r]["dataset"], RUNS[r]["trainer"])
+            for r in report_runs()
+        ],
     output:
-        "results/report.html",
-    params:
-        runs=RUNS,
-    conda:
-        "../envs/snaketrl.yaml"
+        report(paths.report(), category="Report"),
     log:
-        "results/logs/report.log",
+        paths.log("report", "report"),
+    conda:
+        "../envs/data.yaml"
+    params:
+        runs={r: RUNS[r] for r in report_runs()},
     script:
         "../scripts/report.py"

@@ -2,26 +2,24 @@ rule train:
     input:
         unpack(run_inputs),
     output:
-        adapter=directory("results/runs/{run}/adapter"),
-        state="results/runs/{run}/trainer_state.json",
-        metrics="results/runs/{run}/metrics.json",
-        manifest="results/runs/{run}/manifest.json",
-    params:
-        run=run_of,
-        # Outside the declared outputs: Snakemake deletes those when a job fails, and a rerun
-        # must find the checkpoints to resume from.
-        checkpoints=lambda wc: f"results/checkpoints/{wc.run}",
+        adapter=directory(paths.adapter("{run}")),
+        state=paths.run_file("{run}", "trainer_state.json"),
+        metrics=paths.run_file("{run}", "metrics.json"),
+        manifest=paths.run_file("{run}", "manifest.json"),
+    log:
+        paths.log("train", "{run}"),
+    benchmark:
+        paths.benchmark("train", "{run}")
+    conda:
+        "../envs/train.yaml"
     threads: 2
     resources:
         mem_mb=per_attempt(8000),
         runtime=per_attempt(120),
         gpu=0,
-    conda:
-        "../envs/snaketrl.yaml"
-    log:
-        "results/logs/train/{run}.log",
-    benchmark:
-        "results/benchmarks/train/{run}.tsv"
+    params:
+        run=run_of,
+        checkpoints=lambda wc: paths.checkpoints(wc.run),
     script:
         "../scripts/train.py"
 
@@ -30,16 +28,18 @@ rule train:
 # PPO and GRPO load as AutoModelForSequenceClassification.
 rule merge:
     input:
-        adapter="results/runs/{run}/adapter",
+        adapter=paths.adapter("{run}"),
+        base=lambda wc: base_of(run_of(wc)),
     output:
-        directory("results/runs/{run}/merged"),
-    params:
-        model_class=model_class,
+        directory(paths.merged("{run}")),
+    log:
+        paths.log("merge", "{run}"),
+    conda:
+        "../envs/train.yaml"
+    threads: 2
     resources:
         mem_mb=per_attempt(8000),
-    conda:
-        "../envs/snaketrl.yaml"
-    log:
-        "results/logs/merge/{run}.log",
+    params:
+        settings=merge_settings,
     script:
         "../scripts/merge.py"

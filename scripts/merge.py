@@ -2,4 +2,4 @@ from snaketrl.smk import logged
 from snaketrl.train import merge
 
 with logged(snakemake):
-    merge(snakemake.input.adapter, snakemake.output[0], snakemake.params.model_class)
+    merge(snakemake.input.adapter, snakemake.input.base, snakemake.output[0], snakemake.params.settings["task_type"])

@@ -2,4 +2,5 @@ from snaketrl.models import build_tiny_from_files
 from snaketrl.smk import logged
 
 with logged(snakemake):
-    build_tiny_from_files(snakemake.params.spec, snakemake.input, snakemake.output[0], snakemake.params.seed)
+    tiny = snakemake.params.tiny
+    build_tiny_from_files(tiny, snakemake.input.corpus, snakemake.output[0], tiny["seed"], threads=snakemake.threads)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 from snaketrl.errors import ConfigError
 from snaketrl.rewards import BUILTINS
@@ -94,7 +95,7 @@ def check_generation_batch(trainer: str, args: dict, where: str) -> None:
 
 
 def check(config: dict) -> dict[str, dict]:
-    """Cross-reference checks; returns the expanded runs. Errors name the key path."""
+    """Cross-reference checks; returns every run fully resolved (see resolve_run). Errors name the key path."""
     known = sorted(REGISTRY)
     for trainer in config["trainers"]:
         if trainer not in REGISTRY:
@@ -128,7 +129,56 @@ def check(config: dict) -> dict[str, dict]:
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
-    return runs
+    _check_local_files(config, runs)
+    return {name: resolve_run(config, name, run) for name, run in runs.items()}
+
+
+def _check_local_files(config: dict, runs: dict) -> None:
+    """Local data and corpus files of what the runs use must exist: say so now, not in a job."""
+    used_models = {run["model"] for run in runs.values()}
+    used_datasets = {run["dataset"] for run in runs.values()}
+    for name in sorted(used_datasets):
+        for split, path in local_files(config["datasets"][name]).items():
+            if not Path(path).is_file():
+                raise ConfigError(f"config: datasets.{name}.files: {split} file {path} does not exist")
+    for name in sorted(used_models):
+        for path in config["models"][name].get("tiny", {}).get("corpus", []):
+            if not Path(path).is_file():
+                raise ConfigError(f"config: models.{name}.tiny.corpus: file {path} does not exist")
+
+
+def local_files(entry: dict) -> dict[str, str]:
+    """split -> path of a dataset entry's local files (none for a Hub dataset)."""
+    files = entry.get("files")
+    if files is None:
+        return {}
+    return dict(files) if isinstance(files, dict) else {"train": files}
+
+
+def canonical(value):
+    """Dicts with their keys sorted, recursively. Snakemake compares a job's params by repr, so without
+    this the same config with its keys in another order would rerun jobs."""
+    if isinstance(value, dict):
+        return {key: canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
+def resolve_run(config: dict, name: str, run: dict) -> dict:
+    """Everything that decides a run's training, resolved: the train job's params, the manifest's config and
+    (with its input hashes) the resume fingerprint."""
+    lora = lora_args(config, run["model"])
+    if REGISTRY[run["trainer"]].task_type == "SEQ_CLS":
+        # Known TRL pitfall: without this the freshly initialised `score` head is neither trained nor saved.
+        lora["modules_to_save"] = sorted({*lora.get("modules_to_save", []), "score"})
+    return canonical({
+        "name": name, "trainer": run["trainer"], "model": run["model"], "dataset": run["dataset"],
+        "args": trl_args(config, run), "lora": lora,
+        "model_entry": config["models"][run["model"]], "dataset_entry": config["datasets"][run["dataset"]],
+        "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
+        "policy": run.get("policy"), "seed": config["seed"],
+    })
 
 
 def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: str) -> None:

@@ -120,3 +120,38 @@ def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: str) -> dict:
+    """The length stage of one (trainer, dataset, model): lengths as the trainer will tokenize them, the
+    max_length they imply (`settings`: keep_share, round_to, batch_size, seed, layout), plot and JSON."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from snaketrl.data import read_jsonl
+    from snaketrl.io import atomic, write_json
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cap = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    lengths = sequence_lengths(read_jsonl(train_file), tokenizer, settings["layout"])
+    stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
+                         batch_size=settings["batch_size"], seed=settings["seed"])
+    with atomic(png_out) as tmp:
+        plot_histogram(lengths, stats, tmp, title)
+    write_json(stats, json_out)
+    print(stats)
+    return stats
+
+
+def tokenize_prompt_files(model_dir, lengths_file, splits: dict) -> None:
+    """PPO's datasets: each split's prompts (`splits`: name -> (in file, out file)) as token ids."""
+    from transformers import AutoTokenizer
+
+    from snaketrl.data import read_jsonl, write_jsonl
+    from snaketrl.io import read_json
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    max_length = read_json(lengths_file)["max_length"]
+    for split, (src, dst) in splits.items():
+        rows = tokenize_prompts(read_jsonl(src), tokenizer, max_length)
+        write_jsonl(rows, dst)
+        print(f"{split}: {len(rows)} prompts, at most {max_length} tokens")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import platform
 import subprocess
 import sys
@@ -12,14 +10,6 @@ from pathlib import Path
 
 PACKAGES = ["torch", "transformers", "trl", "peft", "datasets", "accelerate", "bitsandbytes", "tokenizers",
             "huggingface_hub", "snakemake"]
-
-
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def versions() -> dict:
@@ -43,8 +33,10 @@ def git_commit() -> str | None:
         return None
 
 
-def write(path, *, resolved: dict, trl_args: dict, files, **extra) -> dict:
-    files = [Path(f) for f in files]
+def write(path, *, resolved: dict, trl_args: dict, inputs: dict, **extra) -> dict:
+    """`inputs`: name -> {path, sha256} of every file or directory the run read."""
+    from snaketrl.io import write_json
+
     data = {
         "versions": versions(),
         "platform": platform.platform(),
@@ -52,8 +44,8 @@ def write(path, *, resolved: dict, trl_args: dict, files, **extra) -> dict:
         "seed": resolved.get("seed"),
         "config": resolved,
         "trl_args": trl_args,
-        "files": {str(f): sha256(f) for f in files if f.is_file()},
+        "inputs": inputs,
         **extra,
     }
-    Path(path).write_text(json.dumps(data, indent=2, default=str))
+    write_json(data, path)
     return data

@@ -46,33 +46,46 @@ def train_tokenizer(texts, vocab_size: int):
     return fast
 
 
-def build_tiny(spec: dict, texts, out_dir: str | Path, seed: int) -> None:
+def build_tiny(tiny: dict, texts, out_dir: str | Path, seed: int) -> None:
     """Train the tokenizer, random-init the model from a small config, save both (safetensors)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = train_tokenizer(texts, spec.get("vocab_size", 1024))
+    from snaketrl.io import atomic
+
+    tokenizer = train_tokenizer(texts, tiny.get("vocab_size", 1024))
     config = AutoConfig.for_model(
-        spec["model_type"], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **spec.get("config", {}))
+        tiny["model_type"], vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **tiny.get("config", {}))
     # Tokenizers trained here would otherwise claim an unbounded context.
     tokenizer.model_max_length = getattr(config, "max_position_embeddings", tokenizer.model_max_length)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    with atomic(out_dir, directory=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
 
 
-def build_tiny_from_files(spec: dict, data_files, out_dir, seed: int) -> None:
-    def texts():
-        for path in data_files:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
+def corpus_texts(files):
+    """Every text of the corpus files: each string inside each row of a .jsonl file, each line of a .txt file."""
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                if str(path).endswith(".jsonl"):
                     yield from iter_texts(json.loads(line))
+                else:
+                    yield line.rstrip("\n")
 
-    build_tiny(spec, texts(), out_dir, seed)
+
+def build_tiny_from_files(tiny: dict, corpus, out_dir, seed: int, threads: int | None = None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    build_tiny(tiny, corpus_texts(corpus), out_dir, seed)
 
 
 # What training needs: configs, tokenizer files and safetensors weights (no .bin, no optimizer states).

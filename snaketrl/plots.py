@@ -66,6 +66,10 @@ def plot_frame(df: pd.DataFrame, path, title: str, first=()) -> None:
 
 
 def plot_run(state_file, png, csv, title: str, first=()) -> None:
+    from snaketrl.io import atomic
+
     state = json.loads(open(state_file).read())
-    pd.DataFrame(state["log_history"]).to_csv(csv, index=False)
-    plot_frame(log_frame(state), png, title, first)
+    with atomic(csv) as tmp:
+        pd.DataFrame(state["log_history"]).to_csv(tmp, index=False)
+    with atomic(png) as tmp:
+        plot_frame(log_frame(state), tmp, title, first)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from snaketrl.io import read_json
 from snaketrl.plots import log_frame
 from snaketrl.trainers import REGISTRY
 
@@ -28,10 +29,10 @@ def last_value(history: list[dict], key: str):
     return None
 
 
-def summarize(run: str, spec: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None) -> dict:
+def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None) -> dict:
     history = state["log_history"]
     row = {
-        "run": run, "trainer": spec["trainer"], "model": spec["model"], "dataset": spec["dataset"],
+        "run": run, "trainer": entry["trainer"], "model": entry["model"], "dataset": entry["dataset"],
         "max_length": lengths["max_length"], "truncated": lengths["share_truncated"],
         "steps": state["global_step"],
         "train loss (last log)": last_value([h for h in history if "train_runtime" not in h], "loss"),
@@ -43,7 +44,7 @@ def summarize(run: str, spec: dict, state: dict, lengths: dict, benchmark: pd.Da
         row["peak RSS (MB)"] = float(benchmark["max_rss"].iloc[0])
     row["headline (first → last log)"] = ", ".join(
         f"{key} {_fmt(first_value(history, key))} → {_fmt(last_value(history, key))}"
-        for key in REGISTRY[spec["trainer"]].headline if last_value(history, key) is not None)
+        for key in REGISTRY[entry["trainer"]].headline if last_value(history, key) is not None)
     return row
 
 
@@ -55,8 +56,8 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
 
-def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) -> bytes:
-    """The trainer's overlay metric (train and eval) for each of its runs, on one axes."""
+def overlay_png(trainer: str, states: dict[str, dict]) -> bytes:
+    """The trainer's overlay metric (train and eval) for each of its runs, on one axes, labelled by run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,8 +70,8 @@ def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) ->
         for col, style in ((key, "-"), (f"eval_{key}", "--")):
             if col in df:
                 series = df[col].dropna()
-                ax.plot(series.index, series.values, style, marker=".", label=f"{runs[run]['model']} {col}")
-    ax.set_title(f"{trainer}: {key} across models", fontsize=10)
+                ax.plot(series.index, series.values, style, marker=".", label=f"{run} {col}")
+    ax.set_title(f"{trainer}: {key} across runs", fontsize=10)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -80,57 +81,58 @@ def overlay_png(trainer: str, states: dict[str, dict], runs: dict[str, dict]) ->
     return buf.getvalue()
 
 
-def _lengths_file(results: Path, spec: dict) -> Path:
-    return results / "lengths" / spec["trainer"] / spec["dataset"] / f"{spec['model']}.json"
-
-
-def load_runs(runs: dict[str, dict], results) -> dict[str, dict]:
-    """Each run's state, lengths, benchmark and manifest, read once."""
-    results = Path(results)
+def load_runs(files: dict[str, dict]) -> dict[str, dict]:
+    """Each run's files (the report rule's inputs, by run: states, lengths, benchmarks, manifests,
+    summaries, curves, histograms), read once."""
     loaded = {}
-    for run, spec in runs.items():
-        run_dir = results / "runs" / run
-        bench_file = results / "benchmarks" / "train" / f"{run}.tsv"
+    for run, f in files.items():
+        bench = Path(f["benchmarks"])
         loaded[run] = {
-            "state": json.loads((run_dir / "trainer_state.json").read_text()),
-            "lengths_file": _lengths_file(results, spec),
-            "lengths": json.loads(_lengths_file(results, spec).read_text()),
-            "bench": pd.read_csv(bench_file, sep="\t") if bench_file.is_file() else None,
-            "manifest_file": run_dir / "manifest.json",
-            "curves": run_dir / "curves.png",
+            "state": read_json(f["states"]),
+            "lengths": read_json(f["lengths"]),
+            "bench": pd.read_csv(bench, sep="\t") if bench.is_file() else None,
+            "manifest": read_json(f["manifests"]),
+            "data": read_json(f["summaries"]),
+            "curves": f["curves"],
+            "histogram": f["histograms"],
         }
     return loaded
 
 
-def summary_table(runs: dict[str, dict], results, loaded: dict[str, dict] | None = None) -> pd.DataFrame:
-    loaded = loaded or load_runs(runs, results)
-    rows = [summarize(run, spec, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"])
-            for run, spec in runs.items()]
+def summary_table(runs: dict[str, dict], loaded: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for run, entry in runs.items():
+        row = summarize(run, entry, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"])
+        row["rows dropped"] = sum(split.get("dropped", 0) for split in loaded[run]["data"].values())
+        rows.append(row)
     return pd.DataFrame(rows).set_index("run")
 
 
-def render(*, runs: dict[str, dict], results: Path, out: Path) -> str:
+def render(*, runs: dict[str, dict], files: dict[str, dict], out) -> str:
     import jinja2
 
-    loaded = load_runs(runs, results)
+    from snaketrl.io import atomic
+
+    loaded = load_runs(files)
     sections, by_trainer = [], {}
-    for run, spec in runs.items():
+    for run, entry in runs.items():
         data = loaded[run]
-        by_trainer.setdefault(spec["trainer"], {})[run] = data["state"]
-        manifest = json.loads(data["manifest_file"].read_text())
+        by_trainer.setdefault(entry["trainer"], {})[run] = data["state"]
+        manifest = data["manifest"]
         sections.append({
-            "run": run, "spec": spec, "lengths": data["lengths"],
+            "run": run, "entry": entry, "lengths": data["lengths"],
             "curves": data_uri(data["curves"]),
-            "histogram": data_uri(data["lengths_file"].with_suffix(".png")),
+            "histogram": data_uri(data["histogram"]),
             "config": json.dumps(manifest.get("config", {}), indent=2),
             "manifest": json.dumps({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}, indent=2),
             "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
         })
-    table = summary_table(runs, results, loaded)
-    overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states, runs))} for t, states in by_trainer.items()]
+    table = summary_table(runs, loaded)
+    overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states))} for t, states in by_trainer.items()]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(
         table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
         sections=sections, overlays=overlays, n_runs=len(runs))
-    Path(out).write_text(html, encoding="utf-8")
+    with atomic(out) as tmp:
+        tmp.write_text(html, encoding="utf-8")
     return html

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from snaketrl.errors import ConfigError
 from snaketrl.data import read_jsonl
-from snaketrl.trainers import REGISTRY, load
+from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
 
 log = logging.getLogger("snaketrl.train")
 
@@ -66,8 +66,7 @@ def check_lora_targets(model, targets, model_name: str) -> None:
                           f"({type(model).__name__}); its weight modules are {linear}")
 
 
-def load_model(model_dir, model_name: str, entry: dict, bf16: bool, cls_name: str = "AutoModelForCausalLM",
-               **kwargs):
+def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: str = "CAUSAL_LM", **kwargs):
     import torch
     import transformers
 
@@ -77,10 +76,15 @@ def load_model(model_dir, model_name: str, entry: dict, bf16: bool, cls_name: st
         if not torch.cuda.is_available():
             raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "
                               f"needs a CUDA GPU; none is visible")
-        qconfig = transformers.BitsAndBytesConfig(
-            load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit", bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float16)
-    model = getattr(transformers, cls_name).from_pretrained(
+        from trl import ModelConfig, get_quantization_config
+
+        dtype = "bfloat16" if bf16 else "float16"
+        qconfig = get_quantization_config(ModelConfig(
+            load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit", dtype=dtype, bnb_4bit_quant_type="nf4",
+            use_bnb_nested_quant=True, bnb_4bit_quant_storage=dtype))
+    if task_type == "SEQ_CLS":
+        kwargs.setdefault("num_labels", 1)
+    model = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(
         model_dir, quantization_config=qconfig, dtype=torch.bfloat16 if bf16 else torch.float32,
         trust_remote_code=entry.get("trust_remote_code", False), **kwargs)
     if quant:
@@ -94,17 +98,19 @@ def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def last_checkpoint(checkpoint_dir: Path, fingerprint: str) -> str | None:
-    """The newest checkpoint of the same resolved run; checkpoints of another config are removed."""
+def last_checkpoint(checkpoint_dir: Path, parts: dict[str, str]) -> str | None:
+    """The newest checkpoint made from the same config and the same inputs (`parts`: name -> content hash);
+    checkpoints of anything else are removed, and the log says what changed."""
     from transformers.trainer_utils import get_last_checkpoint
 
     stamp = checkpoint_dir / "snaketrl_run.json"
-    stale = not stamp.is_file() or json.loads(stamp.read_text())["fingerprint"] != fingerprint
-    if stale and any(checkpoint_dir.glob("checkpoint-*")):
-        log.warning("checkpoints in %s belong to another configuration: starting over", checkpoint_dir)
+    old = json.loads(stamp.read_text()).get("parts", {}) if stamp.is_file() else {}
+    if any(checkpoint_dir.glob("checkpoint-*")) and old != parts:
+        changed = sorted(k for k in {*old, *parts} if old.get(k) != parts.get(k))
+        log.warning("checkpoints in %s were made with another %s: starting over", checkpoint_dir, ", ".join(changed))
         shutil.rmtree(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({"fingerprint": fingerprint}))
+    stamp.write_text(json.dumps({"parts": parts}, indent=2))
     return get_last_checkpoint(str(checkpoint_dir))
 
 
@@ -142,59 +148,54 @@ def check_reward_tokenizer(policy_tok, reward_dir, run_name: str) -> None:
         raise ConfigError(f"run '{run_name}': pad token equals eos token; PPO masks with != pad_token_id")
 
 
-def trainer_kwargs(spec, run_name: str, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
+def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     """What a trainer takes beyond model/args/data: reward functions, or PPO's reward and value models."""
     if spec.reward_funcs:
         from snaketrl.rewards import resolve
 
-        funcs = resolve(run.get("reward_funcs", []))
+        funcs = resolve(run["reward_funcs"])
         if reward_dir:
-            check_reward_tokenizer(tokenizer, reward_dir, run_name)
+            check_reward_tokenizer(tokenizer, reward_dir, run["name"])
             funcs.append(str(reward_dir))  # TRL loads it as a sequence classifier with its own tokenizer
         return {"reward_funcs": funcs}
     if spec.value_model:
-        check_reward_tokenizer(tokenizer, reward_dir, run_name)
+        check_reward_tokenizer(tokenizer, reward_dir, run["name"])
         entry = {"trust_remote_code": False}
         # The value model starts as a copy of the reward model; the reference is the adapter-free policy.
-        return {"reward_model": load_model(reward_dir, "reward", entry, bf16, "AutoModelForSequenceClassification",
-                                           num_labels=1),
-                "value_model": load_model(reward_dir, "value", entry, bf16, "AutoModelForSequenceClassification",
-                                          num_labels=1),
+        return {"reward_model": load_model(reward_dir, "reward", entry, bf16, "SEQ_CLS"),
+                "value_model": load_model(reward_dir, "value", entry, bf16, "SEQ_CLS"),
                 "ref_model": None}
     return {}
 
 
-def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, eval_file, lengths_file,
-              out_dir, checkpoint_dir, reward_dir=None, manifest_inputs=(), callbacks=None) -> dict:
-    """Train one run; write adapter/, trainer_state.json, metrics.json, manifest.json into out_dir."""
+def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
+              reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
+    """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
+    and manifest.json into out_dir, each whole or not at all."""
     from snaketrl import manifest
-    from snaketrl.config import lora_args, trl_args
+    from snaketrl.io import atomic, hash_path, write_json
 
     spec = REGISTRY[run["trainer"]]
     lengths = json.loads(Path(lengths_file).read_text())
-    user_args = trl_args(config, run)
     checkpoint_dir = Path(checkpoint_dir)
-    args = build_args(run["trainer"], user_args, output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
-                      seed=config["seed"], run=run_name)
+    args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
+                      seed=run["seed"], run=run["name"])
 
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, set_seed
 
-    set_seed(config["seed"])
-    entry = config["models"][run["model"]]
+    if threads:
+        torch.set_num_threads(threads)
+    set_seed(run["seed"])
+    entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
-    model_kwargs = {"num_labels": 1} if spec.task_type == "SEQ_CLS" else {}
-    model = load_model(model_dir, run["model"], entry, args.bf16, spec.model_class, **model_kwargs)
+    model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
-    lora = lora_args(config, run["model"])
-    check_lora_targets(model, lora["target_modules"], run["model"])
-    if spec.task_type == "SEQ_CLS":
-        # Known TRL pitfall: without this the freshly initialised `score` head is neither trained nor saved.
-        lora = {**lora, "modules_to_save": sorted({*lora.get("modules_to_save", []), "score"})}
-    peft_config = LoraConfig(task_type=spec.task_type, **lora)
-    extra = trainer_kwargs(spec, run_name, run, tokenizer, reward_dir, args.bf16)
+    check_lora_targets(model, run["lora"]["target_modules"], run["model"])
+    peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
+    extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
 
     train_ds = Dataset.from_list(read_jsonl(train_file))
     eval_ds = Dataset.from_list(read_jsonl(eval_file))
@@ -202,63 +203,71 @@ def train_run(*, run_name: str, run: dict, config: dict, model_dir, train_file, 
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
 
-    resolved = {"run": run_name, **run, "args": user_args, "lora": lora, "max_length": lengths["max_length"],
-                "seed": config["seed"], "model_entry": entry, "dataset_entry": config["datasets"][run["dataset"]]}
-    if spec.own_loop:
-        # PPO runs its own loop: no resume_from_checkpoint, no evaluate(), no final summary entry.
-        resume = None
+    inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
+              "reward_model": reward_dir}
+    hashes = {name: hash_path(path) for name, path in inputs.items() if path}
+    resume = None
+    if spec.resumable:
+        # Resume only what the same config and the same inputs started.
+        parts = {"config": _fingerprint(run), **hashes}
+        resume = last_checkpoint(checkpoint_dir, parts)
+        if resume:
+            log.info("resuming %s from %s", run["name"], resume)
+        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
+    else:
+        # PPO runs its own loop: no resume_from_checkpoint, no final summary entry.
         started = time.perf_counter()
         trainer.train()
         metrics = {"train_runtime": time.perf_counter() - started, "global_step": trainer.state.global_step}
         trainer.state.log_history.append({**metrics, "step": trainer.state.global_step})
-    else:
-        resume = last_checkpoint(checkpoint_dir, _fingerprint(resolved))
-        if resume:
-            log.info("resuming %s from %s", run_name, resume)
-        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
-        if spec.evaluates:
-            metrics.update(trainer.evaluate())
+    if spec.evaluates:
+        metrics.update(trainer.evaluate())
 
     out_dir = Path(out_dir)
-    trainer.save_model(str(out_dir / "adapter"))  # collective under accelerate: every rank calls it
+    with atomic(out_dir / "adapter", directory=True) as adapter_tmp:
+        trainer.save_model(str(adapter_tmp))  # collective under accelerate: every rank calls it
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(str(adapter_tmp))
     if not trainer.is_world_process_zero():
         return metrics
-    tokenizer.save_pretrained(str(out_dir / "adapter"))
-    trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    inputs = [train_file, eval_file, lengths_file, *manifest_inputs]
-    manifest.write(out_dir / "manifest.json", resolved=resolved, trl_args=args.to_dict(), files=inputs,
+    with atomic(out_dir / "trainer_state.json") as tmp:
+        trainer.state.save_to_json(str(tmp))
+    write_json(metrics, out_dir / "metrics.json")
+    manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
+                   inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
                    device="cuda" if torch.cuda.is_available() else "cpu", resumed_from=resume)
     return metrics
 
 
-def merge(adapter_dir, out_dir, model_class: str = "AutoModelForCausalLM") -> None:
+def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM") -> None:
     """Base model + LoRA adapter -> one model directory (safetensors) that loads without peft."""
     import transformers
-    from peft import PeftConfig, PeftModel
+    from peft import PeftModel
 
-    base_dir = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    from snaketrl.io import atomic
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir)
-    kwargs = {"num_labels": 1} if model_class == "AutoModelForSequenceClassification" else {}
-    base = getattr(transformers, model_class).from_pretrained(base_dir, **kwargs)
+    kwargs = {"num_labels": 1} if task_type == "SEQ_CLS" else {}
+    base = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(base_dir, **kwargs)
     prepare_tokenizer(tokenizer, base)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    merged.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    with atomic(out_dir, directory=True) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
 
 
-def launch_command(gpus: int, spec_file) -> list[str]:
-    """One process per GPU on this node (`accelerate launch`), each running train_run from a JSON spec."""
+def launch_command(gpus: int, job_file) -> list[str]:
+    """One process per GPU on this node (`accelerate launch`), each running train_run from a JSON job file."""
     return ["accelerate", "launch", "--multi_gpu", f"--num_processes={gpus}", "--num_machines=1",
             "--mixed_precision=no",  # TRL's config decides bf16 from the hardware
-            "-m", "snaketrl.train", str(spec_file)]
+            "-m", "snaketrl.train", str(job_file)]
 
 
 def main(argv=None) -> None:
     import sys
 
-    spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    train_run(**spec)
+    job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    train_run(**job)
 
 
 if __name__ == "__main__":

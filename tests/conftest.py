@@ -7,6 +7,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _in_project_root(monkeypatch):
+    """Config paths (data/samples/...) are relative to the project root, as for Snakemake."""
+    monkeypatch.chdir(ROOT)
+
+
 @pytest.fixture
 def config():
     """The default config with the schema's defaults filled, as the Snakefile sees it."""
@@ -27,3 +33,15 @@ def tiny_model_dir(tmp_path_factory):
     files = sorted((ROOT / "data" / "samples").glob("*.jsonl"))
     build_tiny_from_files(cfg["models"]["qwen2-tiny"]["tiny"], files, out, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory):
+    """The default workflow, run once to completion in a temporary copy of the project."""
+    from snaketrl import paths
+    from test_workflow import copy_project, snakemake
+
+    wd = copy_project(tmp_path_factory.mktemp("wf"))
+    proc = snakemake(wd, paths.report())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return wd

@@ -69,18 +69,18 @@ def test_ci_profile_is_derived_from_the_slurm_profile(tmp_path):
 
 
 def test_multi_gpu_jobs_launch_one_process_per_gpu(tmp_path):
-    cmd = launch_command(4, tmp_path / "spec.json")
+    cmd = launch_command(4, tmp_path / "job.json")
     assert cmd[:3] == ["accelerate", "launch", "--multi_gpu"]
-    assert "--num_processes=4" in cmd and cmd[-3:] == ["-m", "snaketrl.train", str(tmp_path / "spec.json")]
+    assert "--num_processes=4" in cmd and cmd[-3:] == ["-m", "snaketrl.train", str(tmp_path / "job.json")]
 
 
-def test_train_module_entry_point_reads_a_spec(tmp_path, monkeypatch):
+def test_train_module_entry_point_reads_a_job_file(tmp_path, monkeypatch):
     import json
 
     import snaketrl.train as train
 
     seen = {}
     monkeypatch.setattr(train, "train_run", lambda **kw: seen.update(kw))
-    (tmp_path / "spec.json").write_text(json.dumps({"run_name": "r", "out_dir": "o"}))
-    train.main([str(tmp_path / "spec.json")])
-    assert seen == {"run_name": "r", "out_dir": "o"}
+    (tmp_path / "job.json").write_text(json.dumps({"run": {"name": "r"}, "out_dir": "o"}))
+    train.main([str(tmp_path / "job.json")])
+    assert seen == {"run": {"name": "r"}, "out_dir": "o"}

@@ -12,9 +12,27 @@ def test_default_expands_to_trainer_by_model_matrix(config):
     runs = check(config)
     assert sorted(runs) == [f"{t}-{m}" for t in ("dpo", "grpo", "ppo", "reward", "sft")
                             for m in ("pythia-tiny", "qwen2-tiny")]
-    assert runs["dpo-qwen2-tiny"] == {"trainer": "dpo", "model": "qwen2-tiny", "dataset": "ultrafeedback",
-                                      "args": {}}
+    dpo = runs["dpo-qwen2-tiny"]
+    assert (dpo["name"], dpo["trainer"], dpo["model"], dpo["dataset"]) == ("dpo-qwen2-tiny", "dpo", "qwen2-tiny",
+                                                                          "ultrafeedback")
+    # Resolved: shared training < trainer args; LoRA defaults < the model's; the entries it reads.
+    assert dpo["args"] == {**config["training"], "beta": 0.1}
+    assert dpo["lora"] == {**config["lora"], "target_modules": ["q_proj", "k_proj", "v_proj"]}
+    assert dpo["model_entry"] == config["models"]["qwen2-tiny"] and dpo["seed"] == config["seed"]
     assert runs["ppo-qwen2-tiny"]["dataset"] == "tldr"
+    assert runs["ppo-qwen2-tiny"]["reward_model"] == "reward-qwen2-tiny"
+    assert "score" in runs["reward-qwen2-tiny"]["lora"]["modules_to_save"]
+
+
+def test_resolved_runs_do_not_depend_on_key_order(config):
+    import json
+
+    def reverse(value):
+        return {k: reverse(value[k]) for k in reversed(list(value))} if isinstance(value, dict) else value
+
+    a, b = check(config), check(reverse(copy.deepcopy(config)))
+    assert repr(a) == repr(b)  # Snakemake compares params by repr
+    assert all(json.dumps(run) == json.dumps(run, sort_keys=True) for run in a.values())
 
 
 def test_schema_fills_defaults(config):

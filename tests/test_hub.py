@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from snaketrl import paths
 from snaketrl.data import fetch
 from snaketrl.hub import HubUnreachable
 from snaketrl.models import download
@@ -71,7 +72,7 @@ def test_hf_token_unset_parses_and_set_never_reaches_a_log(tmp_path):
                           text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     secret = "hf_NotARealTokenButSecret123"
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "results/models/hubby"], cwd=wd,
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", paths.model("hubby")], cwd=wd,
                           env={**env(), "HF_TOKEN": secret}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert secret not in proc.stdout + proc.stderr

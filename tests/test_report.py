@@ -4,7 +4,7 @@ import re
 import pandas as pd
 
 from snaketrl.plots import plot_run
-from snaketrl.report import render, summary_table
+from snaketrl.report import load_runs, render, summary_table
 from test_plots import DPO_STATE
 
 RUNS = {"dpo-a": {"trainer": "dpo", "model": "a", "dataset": "uf", "args": {}},
@@ -12,28 +12,35 @@ RUNS = {"dpo-a": {"trainer": "dpo", "model": "a", "dataset": "uf", "args": {}},
 
 
 def _fake_results(root):
+    """Each run's files, laid out anywhere: the report reads only what it is given."""
+    files = {}
     for run, spec in RUNS.items():
-        d = root / "runs" / run
+        d = root / "somewhere" / run
         d.mkdir(parents=True)
-        (d / "trainer_state.json").write_text(json.dumps(DPO_STATE))
-        (d / "manifest.json").write_text(json.dumps({"config": {"run": run, "seed": 1}, "trl_args": {"beta": 0.1},
-                                                     "versions": {"trl": "1.12.0"}}))
-        plot_run(d / "trainer_state.json", d / "curves.png", d / "log_history.csv", run)
-        lengths = root / "lengths" / "dpo" / "uf" / f"{spec['model']}.json"
-        lengths.parent.mkdir(parents=True, exist_ok=True)
-        lengths.write_text(json.dumps({"max_length": 96, "share_truncated": 0.02, "padding_share": 0.3}))
-        lengths.with_suffix(".png").write_bytes((d / "curves.png").read_bytes())
-        bench = root / "benchmarks" / "train" / f"{run}.tsv"
-        bench.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame({"s": [3.0], "max_rss": [512.0]}).to_csv(bench, sep="\t", index=False)
+        f = {key: d / name for key, name in (
+            ("states", "state.json"), ("manifests", "manifest.json"), ("curves", "curves.png"),
+            ("lengths", "lengths.json"), ("histograms", "hist.png"), ("benchmarks", "bench.tsv"),
+            ("summaries", "data.json"), ("metrics", "metrics.json"))}
+        f["states"].write_text(json.dumps(DPO_STATE))
+        f["manifests"].write_text(json.dumps({"config": {"run": run, "seed": 1}, "trl_args": {"beta": 0.1},
+                                              "versions": {"trl": "1.12.0"}}))
+        plot_run(f["states"], f["curves"], d / "log_history.csv", run)
+        f["lengths"].write_text(json.dumps({"max_length": 96, "share_truncated": 0.02, "padding_share": 0.3}))
+        f["histograms"].write_bytes(f["curves"].read_bytes())
+        pd.DataFrame({"s": [3.0], "max_rss": [512.0]}).to_csv(f["benchmarks"], sep="\t", index=False)
+        f["summaries"].write_text(json.dumps({"train": {"rows": 10, "dropped": 2 if run == "dpo-b" else 0},
+                                              "eval": {"rows": 2, "dropped": 1}}))
+        files[run] = f
+    return files
 
 
 def test_report_is_self_contained_and_lists_every_run(tmp_path):
-    _fake_results(tmp_path)
-    html = render(runs=RUNS, results=tmp_path, out=tmp_path / "report.html")
+    files = _fake_results(tmp_path)
+    html = render(runs=RUNS, files=files, out=tmp_path / "report.html")
     assert (tmp_path / "report.html").read_text() == html
-    table = summary_table(RUNS, tmp_path).reset_index()
+    table = summary_table(RUNS, load_runs(files)).reset_index()
     assert table["run"].tolist() == ["dpo-a", "dpo-b"]
+    assert table["rows dropped"].tolist() == [1, 3]
     assert all(f"<th>{run}</th>" in html for run in RUNS)
     assert table["max_length"].tolist() == [96, 96]
     assert table["steps"].tolist() == [4, 4]

@@ -53,8 +53,7 @@ def sft_inputs(tmp_path, config, tiny_model_dir):
     (tmp_path / "lengths.json").write_text(json.dumps({"max_length": 64}))
     config["training"].update({"max_steps": 6, "save_steps": 3, "logging_steps": 1, "eval_steps": 3})
     runs = check(config)
-    return {"run_name": "sft-qwen2-tiny", "run": runs["sft-qwen2-tiny"], "config": config,
-            "model_dir": tiny_model_dir, "train_file": tmp_path / "train.jsonl", "eval_file": tmp_path / "eval.jsonl",
+    return {"run": runs["sft-qwen2-tiny"], "model_dir": tiny_model_dir, "train_file": tmp_path / "train.jsonl", "eval_file": tmp_path / "eval.jsonl",
             "lengths_file": tmp_path / "lengths.json"}
 
 
@@ -74,9 +73,10 @@ def test_same_seed_gives_identical_losses_and_full_outputs(sft_inputs, tmp_path)
     assert (tmp_path / "a" / "adapter" / "adapter_model.safetensors").is_file()
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["versions"]["trl"] == "1.12.0"
-    assert manifest["config"]["max_length"] == 64 and manifest["trl_args"]["max_length"] == 64
-    assert set(manifest["files"]) == {str(sft_inputs[k]) for k in ("train_file", "eval_file", "lengths_file")}
-    assert all(len(h) == 64 for h in manifest["files"].values())
+    assert manifest["trl_args"]["max_length"] == 64 and manifest["config"] == sft_inputs["run"]
+    assert set(manifest["inputs"]) == {"model", "train", "eval", "lengths"}
+    assert manifest["inputs"]["train"]["path"] == str(sft_inputs["train_file"])
+    assert all(len(entry["sha256"]) == 64 for entry in manifest["inputs"].values())
 
 
 def test_interrupted_run_resumes_from_last_checkpoint(sft_inputs, tmp_path):
@@ -97,14 +97,43 @@ def test_interrupted_run_resumes_from_last_checkpoint(sft_inputs, tmp_path):
     assert manifest["resumed_from"].endswith("checkpoint-3")
     assert json.loads((tmp_path / "out" / "trainer_state.json").read_text())["global_step"] == 6
 
-    # A changed config must not resume from the old run's checkpoints.
-    sft_inputs["config"]["training"]["learning_rate"] = 1e-3
-    train_run(**sft_inputs, out_dir=tmp_path / "out2", checkpoint_dir=tmp_path / "ckpt")
+
+def _interrupt_at_step_4(inputs, tmp_path):
+    from transformers import TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                raise KeyboardInterrupt("simulated preemption")
+
+    with pytest.raises(KeyboardInterrupt):
+        train_run(**inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", callbacks=[Crash()])
+    assert (tmp_path / "ckpt" / "checkpoint-3").is_dir()
+
+
+@pytest.mark.parametrize("change", ["config", "train", "lengths", "model"])
+def test_checkpoint_of_other_config_or_inputs_is_not_resumed(change, sft_inputs, tmp_path, caplog):
+    _interrupt_at_step_4(sft_inputs, tmp_path)
+    if change == "config":
+        sft_inputs["run"] = {**sft_inputs["run"], "args": {**sft_inputs["run"]["args"], "learning_rate": 1e-3}}
+    elif change == "model":
+        import shutil
+
+        shutil.copytree(sft_inputs["model_dir"], tmp_path / "model2")
+        with open(tmp_path / "model2" / "config.json", "a") as f:
+            f.write("\n")  # same model, other bytes: the content hash decides
+        sft_inputs["model_dir"] = tmp_path / "model2"
+    else:
+        path = sft_inputs[f"{change}_file"]
+        path.write_text(path.read_text() + ("\n" if change == "lengths" else path.read_text().splitlines()[0] + "\n"))
+    with caplog.at_level("WARNING", logger="snaketrl.train"):
+        train_run(**sft_inputs, out_dir=tmp_path / "out2", checkpoint_dir=tmp_path / "ckpt")
     assert json.loads((tmp_path / "out2" / "manifest.json").read_text())["resumed_from"] is None
+    assert f"were made with another {change}: starting over" in caplog.text
 
 
 def test_sft_loss_falls_on_learnable_toy(sft_inputs, tmp_path):
-    sft_inputs["config"]["training"].update({"max_steps": 20, "logging_steps": 5})
+    sft_inputs["run"]["args"].update({"max_steps": 20, "logging_steps": 5})
     train_run(**sft_inputs, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
     losses = _losses(tmp_path / "o")
     assert losses[-1] < losses[0] - 0.1, losses

@@ -62,7 +62,7 @@ def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
         rows = tokenize_prompts(rows, AutoTokenizer.from_pretrained(tiny_model_dir), 48)
     write_jsonl(rows[:20], tmp / "train.jsonl")
     write_jsonl(rows[20:], tmp / "eval.jsonl")
-    return {"run_name": f"t-{trainer}", "run": run, "config": config, "model_dir": tiny_model_dir,
+    return {"run": run, "model_dir": tiny_model_dir,
             "train_file": tmp / "train.jsonl", "eval_file": tmp / "eval.jsonl", "lengths_file": tmp / "lengths.json",
             "out_dir": tmp / "out", "checkpoint_dir": tmp / "ckpt"}
 
@@ -81,13 +81,13 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     validate(cfg, str(ROOT / "config/schema.yaml"))
     inputs = prepare(tmp, copy.deepcopy(cfg), tiny_model_dir, "reward")
-    inputs["config"]["training"].update(max_steps=30, eval_strategy="no")
+    inputs["run"]["args"].update(max_steps=30, eval_strategy="no")
     rows = preprocess(read_jsonl(ROOT / "data/samples/descriptiveness.jsonl"), dataset="d", trainer="reward",
                       layout="preference", columns={}, split="train")
     write_jsonl(rows[:300], tmp / "train.jsonl")
     write_jsonl(rows[300:], tmp / "eval.jsonl")
     metrics = train_run(**inputs)
-    merge(tmp / "out" / "adapter", tmp / "merged", "AutoModelForSequenceClassification")
+    merge(tmp / "out" / "adapter", tiny_model_dir, tmp / "merged", "SEQ_CLS")
     return tmp / "merged", metrics
 
 

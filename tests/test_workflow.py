@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from snaketrl import paths
 from snaketrl.trainers import REGISTRY
 
 PROJECT = ["Snakefile", "rules", "scripts", "config", "envs", "data", "report"]
@@ -40,17 +41,9 @@ def edit_config(workdir, change):
     path.write_text(yaml.safe_dump(cfg))
 
 
-@pytest.fixture(scope="module")
-def workflow_run(tmp_path_factory):
-    wd = copy_project(tmp_path_factory.mktemp("wf"))
-    proc = snakemake(wd, "results/report.html")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return wd
-
-
 @pytest.mark.slow
 def test_report_lists_every_run(workflow_run):
-    html = (workflow_run / "results/report.html").read_text()
+    html = (workflow_run / paths.report()).read_text()
     for run in [f"{t}-{m}" for t in ("sft", "dpo", "reward", "grpo", "ppo") for m in ("qwen2-tiny", "pythia-tiny")]:
         assert f'id="{run}"' in html
         assert f"<th>{run}</th>" in html
@@ -58,19 +51,19 @@ def test_report_lists_every_run(workflow_run):
 
 @pytest.mark.slow
 def test_every_run_logged_losses_and_trained_with_histogram_max_length(workflow_run):
-    for state_file in sorted((workflow_run / "results/runs").glob("*/trainer_state.json")):
+    for state_file in sorted(workflow_run.glob(paths.run_file("*", "trainer_state.json"))):
         run = state_file.parent.name
         state = json.loads(state_file.read_text())
         losses = [e["loss"] for e in state["log_history"] if "loss" in e]
         assert len(state["log_history"]) >= 3, run
         manifest = json.loads((state_file.parent / "manifest.json").read_text())
         trainer, model, dataset = (manifest["config"][k] for k in ("trainer", "model", "dataset"))
-        lengths = json.loads((workflow_run / f"results/lengths/{trainer}/{dataset}/{model}.json").read_text())
+        lengths = json.loads((workflow_run / paths.lengths(trainer, dataset, model)).read_text())
         spec = REGISTRY[trainer]
         if spec.length_field:
             assert manifest["trl_args"][spec.length_field] == lengths["max_length"], run
         if spec.tokenized:
-            prompts = [json.loads(x) for x in (workflow_run / f"results/datasets/{dataset}/{trainer}/{model}/train.jsonl")
+            prompts = [json.loads(x) for x in (workflow_run / paths.tokenized(dataset, trainer, model, "train"))
                        .read_text().splitlines()]
             assert max(len(p["input_ids"]) for p in prompts) <= lengths["max_length"]
         if trainer == "reward":
@@ -84,12 +77,12 @@ def test_every_run_logged_losses_and_trained_with_histogram_max_length(workflow_
         if trainer == "dpo":
             accuracies = [e["rewards/accuracies"] for e in state["log_history"] if "rewards/accuracies" in e]
             assert accuracies and accuracies[-1] > 0.5, (run, accuracies)
-    assert len(list((workflow_run / "results/runs").glob("*/trainer_state.json"))) == 10
+    assert len(list(workflow_run.glob(paths.run_file("*", "trainer_state.json")))) == 10
 
 
 @pytest.mark.slow
 def test_rerun_is_a_no_op(workflow_run):
-    proc = snakemake(workflow_run, "-n", "results/report.html")
+    proc = snakemake(workflow_run, "-n", paths.report())
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
@@ -114,34 +107,34 @@ def test_dry_run_never_imports_torch_transformers_or_trl(tmp_path):
     (lambda c: c["length"].update(round_to="big"), "snaketrl: config: length.round_to: 'big' is not of type 'integer'"),
     (lambda c: c["trainers"]["grpo"].update(reward_funcs=["lenght"]),
      "reward_funcs: unknown reward function 'lenght'"),
+    (lambda c: c["datasets"]["tldr"].update(files="data/samples/missing.jsonl"),
+     "snaketrl: config: datasets.tldr.files: train file data/samples/missing.jsonl does not exist"),
+    (lambda c: c["models"]["qwen2-tiny"]["tiny"].update(corpus=["data/nope.txt"]),
+     "snaketrl: config: models.qwen2-tiny.tiny.corpus: file data/nope.txt does not exist"),
     (lambda c: c["trainers"]["grpo"]["args"].update(num_generations=3),
      "generation batch 8 (per_device_train_batch_size x steps_per_generation) is not divisible by num_generations=3"),
 ])
 def test_bad_config_fails_at_parse_time(tmp_path, change, message):
     wd = copy_project(tmp_path / "wf")
     edit_config(wd, change)
-    proc = snakemake(wd, "-n", "results/report.html", timeout=60)
+    proc = snakemake(wd, "-n", paths.report(), timeout=60)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("change, target, message, absent", [
-    (lambda c: c["datasets"]["tldr"].update(files="data/samples/missing.jsonl"),
-     "results/datasets/tldr/sft/train.jsonl",
-     "dataset 'tldr': file data/samples/missing.jsonl does not exist",
-     "results/datasets/tldr/raw/train.jsonl"),
     (lambda c: c["trainers"]["sft"].update(dataset="firefly") or c["datasets"]["firefly"].update(columns={}),
-     "results/datasets/firefly/sft/train.jsonl",
+     paths.prepared("firefly", "sft", "train"),
      "dataset 'firefly': trainer 'sft' needs columns (prompt, completion) or (messages) or (text); missing "
      "'prompt'; columns are ['kind', 'input', 'target']",
-     "results/datasets/firefly/sft/train.jsonl"),
-    (lambda c: c["training"].update(learning_rat=0.1), "results/runs/sft-qwen2-tiny/trainer_state.json",
+     paths.prepared("firefly", "sft", "train")),
+    (lambda c: c["training"].update(learning_rat=0.1), paths.run_file("sft-qwen2-tiny", "trainer_state.json"),
      "'learning_rat' is not a field of trl.SFTConfig; did you mean 'learning_rate'?",
-     "results/runs/sft-qwen2-tiny/adapter"),
+     paths.adapter("sft-qwen2-tiny")),
     (lambda c: c["models"]["qwen2-tiny"]["lora"].update(target_modules=["query_key_value"]),
-     "results/runs/sft-qwen2-tiny/trainer_state.json",
+     paths.run_file("sft-qwen2-tiny", "trainer_state.json"),
      "models.qwen2-tiny.lora.target_modules: ['query_key_value'] not in the model (Qwen2ForCausalLM)",
-     "results/runs/sft-qwen2-tiny/adapter"),
+     paths.adapter("sft-qwen2-tiny")),
 ])
 def test_bad_input_fails_with_one_line_and_leaves_no_output(tmp_path, change, target, message, absent):
     wd = copy_project(tmp_path / "wf")
@@ -154,22 +147,22 @@ def test_bad_input_fails_with_one_line_and_leaves_no_output(tmp_path, change, ta
 
 def test_ppo_waits_for_its_reward_model_in_the_dag(tmp_path):
     wd = copy_project(tmp_path / "wf")
-    proc = snakemake(wd, "-n", "--forceall", "results/runs/ppo-qwen2-tiny/trainer_state.json", timeout=60)
+    proc = snakemake(wd, "-n", "--forceall", paths.run_file("ppo-qwen2-tiny", "trainer_state.json"), timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     # The reward run is trained and merged before PPO, and PPO's job takes the merged reward model as input.
     assert "wildcards: run=reward-qwen2-tiny" in out
     ppo_job = out[out.index("wildcards: run=ppo-qwen2-tiny") - 1500:out.index("wildcards: run=ppo-qwen2-tiny")]
-    assert "results/runs/reward-qwen2-tiny/merged" in ppo_job.rsplit("rule train", 1)[1]
-    dag = snakemake(wd, "--dag", "--forceall", "results/runs/ppo-qwen2-tiny/trainer_state.json", timeout=60).stdout
+    assert paths.merged("reward-qwen2-tiny") in ppo_job.rsplit("rule train", 1)[1]
+    dag = snakemake(wd, "--dag", "--forceall", paths.run_file("ppo-qwen2-tiny", "trainer_state.json"), timeout=60).stdout
     assert "merge" in dag and "run: reward-qwen2-tiny" in dag
 
 
 def test_ppo_can_start_from_the_sft_runs_merged_adapter(tmp_path):
     wd = copy_project(tmp_path / "wf")
     edit_config(wd, lambda c: c["trainers"]["ppo"].update(policy="sft-{model}"))
-    proc = snakemake(wd, "-n", "--forceall", "results/runs/ppo-pythia-tiny/trainer_state.json", timeout=60)
+    proc = snakemake(wd, "-n", "--forceall", paths.run_file("ppo-pythia-tiny", "trainer_state.json"), timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ppo_job = proc.stdout[:proc.stdout.index("wildcards: run=ppo-pythia-tiny")].rsplit("rule train", 1)[1]
-    assert "results/runs/sft-pythia-tiny/merged" in ppo_job
-    assert "results/runs/reward-pythia-tiny/merged" in ppo_job
+    assert paths.merged("sft-pythia-tiny") in ppo_job
+    assert paths.merged("reward-pythia-tiny") in ppo_job

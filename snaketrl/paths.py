@@ -1,0 +1,80 @@
+"""The results layout, in one place: one function per artifact.
+
+Rules call these with wildcard placeholders (`paths.lengths("{trainer}", "{dataset}", "{model}")`)
+to get patterns, scripts and benches with real names to get files. Pure Python: the Snakefile
+imports it while parsing.
+"""
+
+from __future__ import annotations
+
+RESULTS = "results"
+
+
+def raw(dataset: str, split: str) -> str:
+    """A dataset as fetched (Hub or local files), split into train/eval."""
+    return f"{RESULTS}/datasets/{dataset}/raw/{split}.jsonl"
+
+
+def raw_origin(dataset: str) -> str:
+    """Where each raw row came from (source file and line), for error messages."""
+    return f"{RESULTS}/datasets/{dataset}/raw/origin.json"
+
+
+def prepared(dataset: str, trainer: str, split: str) -> str:
+    """A dataset mapped to the columns of the trainer's layout."""
+    return f"{RESULTS}/datasets/{dataset}/{trainer}/{split}.jsonl"
+
+
+def prepared_summary(dataset: str, trainer: str) -> str:
+    """Rows in, rows kept and rows dropped by preprocessing."""
+    return f"{RESULTS}/datasets/{dataset}/{trainer}/summary.json"
+
+
+def tokenized(dataset: str, trainer: str, model: str, split: str) -> str:
+    """Prompts as token ids of one model's tokenizer (PPO)."""
+    return f"{RESULTS}/datasets/{dataset}/{trainer}/{model}/{split}.jsonl"
+
+
+def model(model: str) -> str:
+    """A base model directory: downloaded, or built (and pretrained) here."""
+    return f"{RESULTS}/models/{model}"
+
+
+def lengths(trainer: str, dataset: str, model: str, ext: str = "json") -> str:
+    """The length histogram (json: statistics and the chosen max_length; png: the plot)."""
+    return f"{RESULTS}/lengths/{trainer}/{dataset}/{model}.{ext}"
+
+
+def run_dir(run: str) -> str:
+    return f"{RESULTS}/runs/{run}"
+
+
+def run_file(run: str, name: str) -> str:
+    """trainer_state.json, metrics.json, manifest.json, curves.png, log_history.csv."""
+    return f"{run_dir(run)}/{name}"
+
+
+def adapter(run: str) -> str:
+    return f"{run_dir(run)}/adapter"
+
+
+def merged(run: str) -> str:
+    """A run's adapter merged into its base: another run's policy or reward model."""
+    return f"{run_dir(run)}/merged"
+
+
+def checkpoints(run: str) -> str:
+    """Outside the declared outputs: Snakemake deletes those when a job fails, and a rerun resumes from here."""
+    return f"{RESULTS}/checkpoints/{run}"
+
+
+def log(rule: str, *names: str) -> str:
+    return f"{RESULTS}/logs/{rule}/{'/'.join(names)}.log"
+
+
+def benchmark(rule: str, *names: str) -> str:
+    return f"{RESULTS}/benchmarks/{rule}/{'/'.join(names)}.tsv"
+
+
+def report() -> str:
+    return f"{RESULTS}/report.html"
