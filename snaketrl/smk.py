@@ -1,33 +1,62 @@
-"""What every rule script shares: its log file, and one-line errors for bad input."""
+"""What every rule script shares: its log file, and one-line errors on the console."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 from snaketrl.errors import SnaketrlError
 
+# An internal error's message can be a page (a tensor repr, a config dump); the log has all of it.
+MAX_INTERNAL_MESSAGE = 300
+
 
 @contextmanager
 def logged(snakemake, offline: bool = True):
-    """Send the script's output to the rule's log; a config/data error becomes one clear line
-    (also on the console), not a traceback. Every job but a download runs offline, on the
+    """Send the script's output to the rule's log. Any error reaches the console as one line
+    `snaketrl: error in rule <rule>: ...` and exits 1: a user error (SnaketrlError) as its message, anything
+    else as an internal error whose traceback is in the log. Every job but a download runs offline, on the
     local copies the download rules made (cluster nodes often have no internet)."""
     if offline:
         os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(snakemake.log[0], "w", buffering=1) as log, redirect_stdout(log), redirect_stderr(log):
-        logging.basicConfig(stream=log, level=logging.INFO, force=True,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_path = snakemake.log[0]
+    with open(log_path, "w", buffering=1) as log, redirect_stdout(log), redirect_stderr(log), _logging_to(log):
         try:
             yield
         except SnaketrlError as err:
-            line = f"snaketrl: error in rule {snakemake.rule}: {err}"
-            print(line, file=log)
-            print(line, file=sys.__stderr__)
-            raise SystemExit(1) from None
-        except BaseException:
-            traceback.print_exc(file=log)  # the log is where users look first
-            raise
+            _fail(snakemake.rule, _one_line(str(err)), log)
+        except Exception as err:  # a bug, not bad input: say so, and where the details are
+            traceback.print_exc(file=log)
+            message = _one_line(f"{type(err).__name__}: {err}", MAX_INTERNAL_MESSAGE)
+            _fail(snakemake.rule, f"internal error: {message} (full traceback in {log_path})", log)
+
+
+def _fail(rule: str, message: str, log) -> None:
+    line = f"snaketrl: error in rule {rule}: {message}"
+    print(line, file=log)
+    print(line, file=sys.__stderr__, flush=True)
+    raise SystemExit(1) from None
+
+
+def _one_line(text: str, limit: int | None = None) -> str:
+    text = re.sub(r"\s*\n\s*", " ", text.strip())
+    return text[: limit - 3] + "..." if limit and len(text) > limit else text
+
+
+@contextmanager
+def _logging_to(log):
+    """Root logging into the log for the block; the previous handlers come back after (tests call this twice)."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    handler = logging.StreamHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]

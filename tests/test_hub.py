@@ -55,9 +55,9 @@ def test_dataset_from_a_local_hub_layout_with_split_slices(tmp_path):
     for split, n in (("train", 20), ("validation", 10)):
         (repo / "data" / f"{split}.jsonl").write_text(
             "".join(json.dumps({"prompt": f"{split} {i}", "completion": str(i)}) + "\n" for i in range(n)))
-    train, evals = fetch("tldr", {"hub": str(repo), "split": "train[:5]", "eval_split": "validation[2:4]"}, seed=0)
-    assert [r["prompt"] for r in train] == [f"train {i}" for i in range(5)]
-    assert [r["prompt"] for r in evals] == ["validation 2", "validation 3"]
+    got = fetch("tldr", {"hub": str(repo), "split": "train[:5]", "eval_split": "validation[2:4]"}, seed=0)
+    assert [r["prompt"] for r in got.train] == [f"train {i}" for i in range(5)]
+    assert [r["prompt"] for r in got.eval] == ["validation 2", "validation 3"]
 
 
 def test_hf_token_unset_parses_and_set_never_reaches_a_log(tmp_path):

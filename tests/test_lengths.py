@@ -51,7 +51,7 @@ def test_dpo_lengths_match_trl_tokenization(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = preprocess(read_jsonl(ROOT / "data/samples/ultrafeedback.jsonl")[:20], dataset="uf", trainer="dpo",
-                      layout="preference", columns={}, split="train")
+                      layout="preference", columns={}, split="train").rows
     ours = sequence_lengths(rows, tok, "preference")
     expected = [max(_trl_length(tok, r["prompt"], r["chosen"]), _trl_length(tok, r["prompt"], r["rejected"]))
                 for r in rows]

@@ -47,7 +47,7 @@ def test_missing_lora_target_lists_the_model_modules(tiny_model_dir):
 @pytest.fixture
 def sft_inputs(tmp_path, config, tiny_model_dir):
     rows = preprocess(read_jsonl(ROOT / "data/samples/tldr.jsonl")[:48], dataset="tldr", trainer="sft",
-                      layout="language_modeling", columns={}, split="train")
+                      layout="language_modeling", columns={}, split="train").rows
     write_jsonl(rows[:40], tmp_path / "train.jsonl")
     write_jsonl(rows[40:], tmp_path / "eval.jsonl")
     (tmp_path / "lengths.json").write_text(json.dumps({"max_length": 64}))

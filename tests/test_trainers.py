@@ -56,7 +56,7 @@ def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
         config["trainers"][trainer]["reward_funcs"] = ["unique_chars"]
     run = check(config)[f"t-{trainer}"]
     rows = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:24], dataset=dataset, trainer=trainer,
-                      layout=REGISTRY[trainer].layout, columns=columns, split="train")
+                      layout=REGISTRY[trainer].layout, columns=columns, split="train").rows
     (tmp / "lengths.json").write_text(json.dumps({"max_length": 64}))
     if REGISTRY[trainer].tokenized:
         rows = tokenize_prompts(rows, AutoTokenizer.from_pretrained(tiny_model_dir), 48)
@@ -83,7 +83,7 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
     inputs = prepare(tmp, copy.deepcopy(cfg), tiny_model_dir, "reward")
     inputs["run"]["args"].update(max_steps=30, eval_strategy="no")
     rows = preprocess(read_jsonl(ROOT / "data/samples/descriptiveness.jsonl"), dataset="d", trainer="reward",
-                      layout="preference", columns={}, split="train")
+                      layout="preference", columns={}, split="train").rows
     write_jsonl(rows[:300], tmp / "train.jsonl")
     write_jsonl(rows[300:], tmp / "eval.jsonl")
     metrics = train_run(**inputs)
