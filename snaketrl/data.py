@@ -8,7 +8,6 @@ what was expected there. Under `bad_rows: drop` bad rows are left out and counte
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,20 +103,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:
     """Write atomically: a reader never sees a half-written file."""
-    _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    from snaketrl.io import atomic
 
-
-def write_json(value, path: str | Path) -> None:
-    """A small JSON file (an origin sidecar, a summary), written atomically."""
-    _write_atomic(path, json.dumps(value, ensure_ascii=False, indent=1) + "\n")
-
-
-def _write_atomic(path: str | Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
 
 
 # --- Reading the user's files ------------------------------------------------------------------
@@ -587,3 +576,24 @@ def _choose_columns(present: list[str], dataset: str, trainer: str, layout: str,
     missing = next(c for c in LAYOUTS[layout][0] if c not in renamed)
     raise DataError(f"dataset '{dataset}': trainer '{trainer}' needs columns {options}; missing '{missing}'; "
                     f"columns are {present} (map names with datasets.{dataset}.columns)")
+
+
+def preprocess_splits(inputs, outputs, *, dataset: str, trainer: str, layout: str, columns: dict,
+                      format: str | None, bad_rows: str) -> dict:
+    """The preprocess rule: both splits checked before either is written, then a summary of what was kept
+    and dropped (fetching's malformed lines included) for the log and the report."""
+    from snaketrl.io import read_json, write_json
+
+    origin = read_json(inputs["origin"])
+    got = {split: preprocess(read_jsonl(inputs[split]), dataset=dataset, trainer=trainer, layout=layout,
+                             columns=columns, split=split, format=format, origin=origin[split], bad_rows=bad_rows)
+           for split in ("train", "eval")}
+    summary = {"fetch": origin.get("dropped", {"count": 0})}
+    for split, prepared in got.items():
+        write_jsonl(prepared.rows, outputs[split])
+        summary[split] = {"rows": len(prepared.rows), "dropped": prepared.dropped.count,
+                          "reasons": prepared.dropped.to_json()["reasons"]}
+        print(f"{split}: {len(prepared.rows)} rows kept, {prepared.dropped.count} dropped; columns "
+              f"{list(prepared.rows[0])}")
+    write_json(summary, outputs["summary"])
+    return summary

@@ -103,7 +103,9 @@ def summary_table(runs: dict[str, dict], loaded: dict[str, dict]) -> pd.DataFram
     rows = []
     for run, entry in runs.items():
         row = summarize(run, entry, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"])
-        row["rows dropped"] = sum(split.get("dropped", 0) for split in loaded[run]["data"].values())
+        data = loaded[run]["data"]  # preprocess summary: malformed lines (fetch) and invalid rows per split
+        row["rows dropped"] = data.get("fetch", {}).get("count", 0) + sum(
+            data[split]["dropped"] for split in ("train", "eval") if split in data)
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
 
