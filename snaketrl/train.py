@@ -239,12 +239,16 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     return metrics
 
 
-def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM") -> None:
+def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads: int | None = None) -> None:
     """Base model + LoRA adapter -> one model directory (safetensors) that loads without peft."""
+    import torch
     import transformers
     from peft import PeftModel
 
     from snaketrl.io import atomic
+
+    if threads:
+        torch.set_num_threads(threads)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir)
     kwargs = {"num_labels": 1} if task_type == "SEQ_CLS" else {}
