@@ -68,9 +68,25 @@ def dataset_mapping(wildcards):
 
 
 def tiny_entry(wildcards):
+    """What decides the tokenizer and the random init (not the pretraining settings)."""
+    tiny = config["models"][wildcards.model]["tiny"]
     return canonical(
-        {**config["models"][wildcards.model]["tiny"], "seed": config["seed"]}
+        {**{k: v for k, v in tiny.items() if k != "pretrain"}, "seed": config["seed"]}
     )
+
+
+def pretrain_settings(wildcards):
+    return canonical(
+        {
+            **config["models"][wildcards.model]["tiny"]["pretrain"],
+            "seed": config["seed"],
+        }
+    )
+
+
+def pretrained_models():
+    """The tiny models the runs use: the report shows their pretraining."""
+    return sorted({run["model"] for run in RUNS.values()} & set(TINY_MODELS))
 
 
 def length_settings(wildcards):

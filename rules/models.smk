@@ -2,24 +2,47 @@ localrules:
     download_model,
 
 
+# A tokenizer trained on the model's corpus and random weights: what pretraining starts from.
 rule tiny_model:
     input:
         corpus=lambda wc: config["models"][wc.model]["tiny"]["corpus"],
     output:
-        directory(paths.model("{model}")),
+        directory(paths.model_init("{model}")),
     log:
         paths.log("tiny_model", "{model}"),
+    conda:
+        "../envs/train.yaml"
+    params:
+        tiny=tiny_entry,
+    script:
+        "../scripts/tiny_model.py"
+
+
+# Real post-training starts from a pretrained base: a short causal-LM pretraining on the corpus.
+rule pretrain:
+    input:
+        init=paths.model_init("{model}"),
+        corpus=lambda wc: config["models"][wc.model]["tiny"]["corpus"],
+    output:
+        model=directory(paths.model("{model}")),
+        state=paths.pretrain_file("{model}", "trainer_state.json"),
+        metrics=paths.pretrain_file("{model}", "metrics.json"),
+    log:
+        paths.log("pretrain", "{model}"),
     benchmark:
-        paths.benchmark("tiny_model", "{model}")
+        paths.benchmark("pretrain", "{model}")
     wildcard_constraints:
         model=_alternatives(TINY_MODELS),
     conda:
         "../envs/train.yaml"
     threads: 2
+    resources:
+        mem_mb=per_attempt(4000),
+        runtime=per_attempt(30),
     params:
-        tiny=tiny_entry,
+        pretrain=pretrain_settings,
     script:
-        "../scripts/tiny_model.py"
+        "../scripts/pretrain.py"
 
 
 # Cluster nodes often have no internet: downloads run on the submitting machine.

@@ -41,6 +41,12 @@ rule report:
             paths.prepared_summary(RUNS[r]["dataset"], RUNS[r]["trainer"])
             for r in report_runs()
         ],
+        pretrain_states=[
+            paths.pretrain_file(m, "trainer_state.json") for m in pretrained_models()
+        ],
+        pretrain_metrics=[
+            paths.pretrain_file(m, "metrics.json") for m in pretrained_models()
+        ],
     output:
         report(paths.report(), category="Report"),
     log:
@@ -49,5 +55,6 @@ rule report:
         "../envs/data.yaml"
     params:
         runs={r: RUNS[r] for r in report_runs()},
+        pretrained=pretrained_models(),
     script:
         "../scripts/report.py"

@@ -6,4 +6,6 @@ with logged(snakemake):
     inputs = snakemake.input
     keys = ("states", "metrics", "manifests", "curves", "lengths", "histograms", "benchmarks", "summaries")
     files = {run: {key: inputs[key][i] for key in keys} for i, run in enumerate(snakemake.params.runs)}
-    render(runs=snakemake.params.runs, files=files, out=snakemake.output[0])
+    pretrained = {model: {"state": inputs.pretrain_states[i], "metrics": inputs.pretrain_metrics[i]}
+                  for i, model in enumerate(snakemake.params.pretrained)}
+    render(runs=snakemake.params.runs, files=files, out=snakemake.output[0], pretrained=pretrained)

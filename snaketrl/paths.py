@@ -36,8 +36,18 @@ def tokenized(dataset: str, trainer: str, model: str, split: str) -> str:
 
 
 def model(model: str) -> str:
-    """A base model directory: downloaded, or built (and pretrained) here."""
+    """A base model directory: downloaded, or built and pretrained here."""
     return f"{RESULTS}/models/{model}"
+
+
+def model_init(model: str) -> str:
+    """A tiny model before pretraining: its tokenizer and random weights."""
+    return f"{RESULTS}/pretrain/{model}/init"
+
+
+def pretrain_file(model: str, name: str) -> str:
+    """A tiny model's pretraining record: trainer_state.json, metrics.json (with a generated sample)."""
+    return f"{RESULTS}/pretrain/{model}/{name}"
 
 
 def lengths(trainer: str, dataset: str, model: str, ext: str = "json") -> str:

@@ -110,7 +110,39 @@ def summary_table(runs: dict[str, dict], loaded: dict[str, dict]) -> pd.DataFram
     return pd.DataFrame(rows).set_index("run")
 
 
-def render(*, runs: dict[str, dict], files: dict[str, dict], out) -> str:
+def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
+    """The tiny bases' pretraining (`pretrained`: model -> {state, metrics} files): a table and one figure."""
+    if not pretrained:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for model, f in pretrained.items():
+        metrics, df = read_json(f["metrics"]), log_frame(read_json(f["state"]))
+        rows.append({"model": model, "steps": metrics["steps"], "train loss": metrics["train_loss"],
+                     "held-out loss": metrics["eval_loss"], "ln(vocab)": metrics["ln_vocab"],
+                     "seconds": metrics["train_runtime"], "sample": metrics.get("sample", "")})
+        for col, style in (("loss", "-"), ("eval_loss", "--")):
+            if col in df:
+                series = df[col].dropna()
+                ax.plot(series.index, series.values, style, label=f"{model} {col}")
+    ax.set_xlabel("step")
+    ax.set_title("pretraining loss", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    table = pd.DataFrame(rows).set_index("model")
+    return {"table": table.to_html(float_format=lambda v: f"{v:.4g}", classes="summary"),
+            "png": data_uri(buf.getvalue())}
+
+
+def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: dict[str, dict] | None = None) -> str:
     import jinja2
 
     from snaketrl.io import atomic
@@ -134,7 +166,7 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(
         table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
-        sections=sections, overlays=overlays, n_runs=len(runs))
+        sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}))
     with atomic(out) as tmp:
         tmp.write_text(html, encoding="utf-8")
     return html

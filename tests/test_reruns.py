@@ -40,7 +40,8 @@ def primary_outputs(runs):
         t, d, m = run["trainer"], run["dataset"], run["model"]
         out[paths.raw(d, "train")] = ("get_dataset", d)
         out[paths.prepared(d, t, "train")] = ("preprocess", d, t)
-        out[paths.model(m)] = ("tiny_model", m)
+        out[paths.model_init(m)] = ("tiny_model", m)
+        out[paths.model(m)] = ("pretrain", m)
         out[paths.lengths(t, d, m)] = ("length_histogram", t, d, m)
         if REGISTRY[t].tokenized:
             out[paths.tokenized(d, t, m, "train")] = ("tokenize_prompts", d, t, m)
@@ -62,10 +63,12 @@ def dag_edges(runs):
         train = ("train", name)
         edge(("get_dataset", d), ("preprocess", d, t))
         edge(("preprocess", d, t), ("length_histogram", t, d, m))
-        edge(("tiny_model", m), ("length_histogram", t, d, m))
+        edge(("tiny_model", m), ("pretrain", m))
+        edge(("pretrain", m), ("report",))
+        edge(("pretrain", m), ("length_histogram", t, d, m))
         if REGISTRY[t].tokenized:
             tok = ("tokenize_prompts", d, t, m)
-            for up in (("preprocess", d, t), ("tiny_model", m), ("length_histogram", t, d, m)):
+            for up in (("preprocess", d, t), ("pretrain", m), ("length_histogram", t, d, m)):
                 edge(up, tok)
             edge(tok, train)
         else:
@@ -75,14 +78,14 @@ def dag_edges(runs):
         for up in (("length_histogram", t, d, m), train, ("plot_run", name)):
             edge(up, ("report",))
         edge(train, ("plot_run", name))
-        base = ("merge", run["policy"]) if run["policy"] else ("tiny_model", m)
+        base = ("merge", run["policy"]) if run["policy"] else ("pretrain", m)
         edge(base, train)
         for ref in (run["policy"], run["reward_model"]):
             if ref:
                 edge(("train", ref), ("merge", ref))
                 edge(("merge", ref), train)
                 if ref == run["policy"]:
-                    edge(("tiny_model", runs[ref]["model"]), ("merge", ref))
+                    edge(("pretrain", runs[ref]["model"]), ("merge", ref))
     return edges
 
 
@@ -136,6 +139,8 @@ EDITS = {
     "one dataset's column mapping": (lambda c: _set(c, "datasets.tldr.columns", {"prompt": "prompt"}),
                                      lambda runs, c: {("preprocess", "tldr", runs[r]["trainer"])
                                                       for r in runs_where(runs, dataset="tldr")}),
+    "one model's pretraining": (lambda c: _set(c, "models.qwen2-tiny.tiny.pretrain.steps", 40),
+                                lambda runs, c: {("pretrain", "qwen2-tiny")}),
     "length.keep_share": (lambda c: _set(c, "length.keep_share", 0.95),
                           lambda runs, c: {("length_histogram", r["trainer"], r["dataset"], r["model"])
                                            for r in runs.values()}),
