@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from snaketrl.smk import logged
-from snaketrl.train import launch_command, train_run
+from snaketrl.train import launch_command, launch_env, train_run
 
 with logged(snakemake):
     job = dict(run=snakemake.params.run, model_dir=snakemake.input.model, train_file=snakemake.input.train,
@@ -19,6 +19,6 @@ with logged(snakemake):
         job_file.write_text(json.dumps(job, default=str))
         cmd = launch_command(gpus, job_file)
         print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, stdout=sys.stdout, stderr=sys.stderr)  # into this rule's log
+        subprocess.run(cmd, check=True, stdout=sys.stdout, stderr=sys.stderr, env=launch_env())  # into the log
     else:
         print(train_run(**job))

@@ -267,6 +267,19 @@ def launch_command(gpus: int, job_file) -> list[str]:
             "-m", "snaketrl.train", str(job_file)]
 
 
+def launch_env(environ=None) -> dict:
+    """launch_command's environment. Its processes start without Snakemake's script preamble, which is
+    what put this package on a conda job's sys.path (Snakemake unsets PYTHONPATH there): name its home."""
+    import os
+    import sys
+
+    environ = dict(os.environ if environ is None else environ)
+    home = str(Path(__file__).resolve().parents[1])
+    if home not in sys.path:
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, environ.get("PYTHONPATH")]))
+    return environ
+
+
 def main(argv=None) -> None:
     import sys
 

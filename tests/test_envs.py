@@ -1,22 +1,315 @@
-import re
+"""The conda envs as `snakemake --software-deployment-method conda` uses them.
 
+Each rule's env comes from the `conda:`/`script:` pairs in rules/*.smk; what a job imports comes from
+its script and the snaketrl code the script reaches, lazy imports inside functions included.
+"""
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
 import yaml
 
 from conftest import ROOT
 
+PKG = "snaketrl"
+# Tools of the submitting side: a job that needs one is a mistake in its env.
+NOT_IN_JOBS = {"pytest", "snakemake", "snakemake-executor-plugin-slurm"}
 
-def _pins(lines):
-    return dict(re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)$", line.strip()).groups()
-                for line in lines if "==" in line)
+
+def _name(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def test_conda_envs_pin_what_requirements_pin():
+def _pins(lines) -> dict[str, str]:
+    pins = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.+!]+)", line)
+            assert match, f"not an exact pin: {line!r}"
+            pins[_name(match[1])] = match[2]
+    return pins
+
+
+def env_spec(path: Path) -> tuple[list, list[str]]:
+    spec = yaml.safe_load(path.read_text())
+    pip = [d["pip"] for d in spec["dependencies"] if isinstance(d, dict)]
+    return spec, (pip[0] if pip else [])
+
+
+def rule_envs(rules_dir: Path = ROOT / "rules") -> dict[str, tuple[Path, Path]]:
+    """Rule -> (env file, script), both resolved as Snakemake does: relative to the .smk file."""
+    out = {}
+    for smk in sorted(rules_dir.glob("*.smk")):
+        blocks = re.split(r"^(?:rule|checkpoint)\s+(\w+)\s*:", smk.read_text(), flags=re.M)
+        for name, body in zip(blocks[1::2], blocks[2::2]):
+            body = re.split(r"^\S", body, maxsplit=1, flags=re.M)[0]  # up to the next top-level statement
+            found = {key: re.search(rf"^\s+{key}:\s*\n?\s*(['\"])(.+?)\1", body, flags=re.M)
+                     for key in ("conda", "script")}
+            if found["script"] is None:
+                continue
+            assert found["conda"], f"rule {name} ({smk.name}) runs a script but names no `conda:` env file"
+            out[name] = tuple((smk.parent / found[key][2]).resolve() for key in ("conda", "script"))
+    assert out, f"no rule with a script in {rules_dir}"
+    return out
+
+
+def env_scripts() -> dict[Path, list[Path]]:
+    envs = {}
+    for rule, (env, script) in rule_envs().items():
+        assert env.is_file(), f"rule {rule} names {env}, which does not exist"
+        envs.setdefault(env, []).append(script)
+    return {env: sorted(set(scripts)) for env, scripts in envs.items()}
+
+
+# Imports by name at run time, which no import statement shows: (module, function) -> statements.
+def _dynamic() -> dict[tuple[str, str], list[str]]:
+    from snaketrl.trainers import MODEL_CLASSES, REGISTRY
+
+    trl = sorted({"from {} import {}".format(*dotted.split(":"))
+                  for spec in REGISTRY.values() for dotted in (spec.config, spec.trainer)})
+    auto = [f"from transformers import {cls}" for cls in sorted(set(MODEL_CLASSES.values()))]
+    return {("snaketrl.trainers", "load"): trl, ("snaketrl.train", "load_model"): auto,
+            ("snaketrl.train", "merge"): auto}
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def job_imports(script: Path) -> list[str]:
+    """The import statements a job can run: its script's, those of every snaketrl module it imports, and
+    those inside the snaketrl functions, classes and constants it reaches by name (lazy imports included)."""
+    statements, loaded, reached, trees, dynamic = [], set(), set(), {}, _dynamic()
+
+    def tree(module):
+        if module not in trees:
+            trees[module] = ast.parse(_module_file(module).read_text())
+        return trees[module]
+
+    def top_level(module):
+        names = {}
+        for node in tree(module).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Name):
+                        names[target.id] = node
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PKG:
+                names.update({alias.asname or alias.name: (node.module, alias.name) for alias in node.names})
+        return names
+
+    def resolve(module, name):
+        if name and _module_file(f"{module}.{name}"):  # from snaketrl import hub
+            return f"{module}.{name}", None
+        return module, name
+
+    def load(module):
+        """Importing a module runs its packages' and its own top level (not the functions' bodies)."""
+        parts = module.split(".")
+        for mod in (".".join(parts[:depth]) for depth in range(1, len(parts) + 1)):
+            if mod not in loaded:
+                loaded.add(mod)
+                for node in tree(mod).body:
+                    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not (
+                            isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)):
+                        scan(node, mod, top=True)
+
+    def reach(module, name):
+        """`name` of `module` is used (None: the module as a whole)."""
+        load(module)
+        if (module, name) in reached:
+            return
+        reached.add((module, name))
+        statements.extend(s for s in dynamic.get((module, name), []) if s not in statements)
+        node = tree(module) if name is None else top_level(module).get(name)
+        if node is not None:
+            scan(node, module)
+
+    def scan(node, module, top=False):
+        """Record the imports under `node` and follow the snaketrl names it uses. A top-level import only
+        loads its module: an imported name counts once a function reached uses it."""
+        local = top_level(module) if module else {}
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Import):
+                targets = [(alias.name, None) for alias in sub.names]
+            elif isinstance(sub, ast.ImportFrom) and not sub.level and sub.module != "__future__":
+                targets = [(sub.module, alias.name) for alias in sub.names]
+            else:
+                if module and isinstance(sub, ast.Name) and sub.id in local:
+                    found = local[sub.id]
+                    reach(*resolve(*found)) if isinstance(found, tuple) else reach(module, sub.id)
+                continue
+            if ast.unparse(sub) not in statements:
+                statements.append(ast.unparse(sub))
+            for mod, name in targets:
+                if mod.split(".")[0] == PKG:
+                    mod, name = resolve(mod, name)
+                    load(mod) if top else reach(mod, name)
+
+    scan(ast.parse(script.read_text()), None)
+    return statements
+
+
+def third_party(statements: list[str]) -> set[str]:
+    """Top-level modules, not the standard library's nor snaketrl."""
+    tops = set()
+    for text in statements:
+        node = ast.parse(text).body[0]
+        names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+        tops |= {n.split(".")[0] for n in names}
+    return {t for t in tops if t != PKG and t not in sys.stdlib_module_names}
+
+
+ENVS = sorted((ROOT / "envs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("env", ENVS, ids=lambda p: p.name)
+def test_env_pins_exactly_what_requirements_pin(env):
     req = _pins((ROOT / "requirements.txt").read_text().splitlines())
-    assert req["trl"] == "1.12.0" and req["torch"] == "2.13.0"
-    envs = sorted((ROOT / "envs").glob("*.yaml"))
-    assert envs
-    for env in envs:
-        spec = yaml.safe_load(env.read_text())
-        pip = next(d["pip"] for d in spec["dependencies"] if isinstance(d, dict))
-        assert _pins(pip) == req, env.name
-        assert "python=3.11" in spec["dependencies"]
+    spec, pip = env_spec(env)
+    assert spec["channels"] == ["conda-forge", "nodefaults"]
+    conda = [d for d in spec["dependencies"] if not isinstance(d, dict)]
+    assert sorted(conda) == ["pip", "python=3.11"], "python pinned; everything else through pip, as requirements.txt"
+    # An editable/path entry would resolve from .snakemake/conda/, where Snakemake copies the file.
+    assert not [line for line in pip if line.lstrip().startswith("-") or "/" in line], "no path-dependent entries"
+    pins = _pins(pip)
+    assert pins, env.name
+    assert {p: v for p, v in pins.items() if req.get(p) != v} == {}, "versions differ from requirements.txt"
+    assert not NOT_IN_JOBS & set(pins), "a job env installs a submitting-side tool"
+
+
+def test_every_script_rule_uses_an_env_that_exists():
+    mapping = rule_envs()
+    missing = {rule: str(env.relative_to(ROOT)) for rule, (env, _) in mapping.items() if env not in ENVS}
+    assert missing == {}, "rules name env files that envs/ does not have"
+    assert [s for _, s in mapping.values() if not s.is_file()] == []
+    assert set(ENVS) <= {env for env, _ in mapping.values()}, "an env file no rule uses"
+
+
+def test_each_env_pins_every_package_its_scripts_import():
+    modules = metadata.packages_distributions()
+    for env, scripts in env_scripts().items():
+        pins = _pins(env_spec(env)[1])
+        for script in scripts:
+            imported = {_name(modules.get(m, [m])[0]) for m in third_party(job_imports(script))}
+            assert imported - set(pins) == set(), f"{script.name} imports packages {env.name} lacks"
+
+
+def test_job_imports_follow_lazy_imports_into_snaketrl():
+    assert {"datasets"} <= third_party(job_imports(ROOT / "scripts/get_dataset.py"))
+    assert {"huggingface_hub"} == third_party(job_imports(ROOT / "scripts/download_model.py"))
+    assert {"torch", "trl", "peft", "datasets"} <= third_party(job_imports(ROOT / "scripts/train.py"))
+    assert "torch" not in third_party(job_imports(ROOT / "scripts/length_histogram.py"))
+
+
+def test_scripts_find_the_package_through_a_relative_link():
+    # Snakemake's script preamble appends the script's directory (scripts/) to the job's sys.path.
+    link = ROOT / "scripts" / PKG
+    assert link.is_symlink() and os.readlink(link) == f"../{PKG}" and link.resolve() == ROOT / PKG
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        entry = subprocess.run(["git", "ls-files", "-s", f"scripts/{PKG}"], cwd=ROOT, capture_output=True,
+                               text=True).stdout
+        assert entry.startswith("120000 "), "scripts/snaketrl must be committed as a symlink"
+
+
+def test_multi_gpu_children_find_the_package_without_the_preamble(monkeypatch):
+    import snaketrl
+    from snaketrl.train import launch_env
+
+    home = str(Path(snaketrl.__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != home])
+    assert launch_env({"PYTHONPATH": "/elsewhere"})["PYTHONPATH"] == os.pathsep.join([home, "/elsewhere"])
+    monkeypatch.setattr(sys, "path", [home, *sys.path])
+    assert launch_env({}) == {}
+
+
+def _preamble(script: Path, shim: Path) -> str:
+    """Snakemake's own preamble for `script`, its fallback search path narrowed to Snakemake's packages
+    (the real one appends all of the submitting Python's sys.path, which would hide a missing package)."""
+    import snakemake.script as sms
+    from snakemake.iocontainers import InputFiles, Log, OutputFiles, Params, ResourceList, Wildcards
+    from snakemake.sourcecache import infer_source_file
+
+    real = sms.get_snakemake_searchpaths
+    sms.get_snakemake_searchpaths = lambda: [str(shim)]
+    try:
+        return sms.PythonScript.generate_preamble(
+            path=infer_source_file(str(script)), cache_path=None, source="", basedir=str(ROOT),
+            input_=InputFiles(), output=OutputFiles(), params=Params(), wildcards=Wildcards(), threads=1,
+            resources=ResourceList(), log=Log(), config={}, rulename=script.stem, conda_env="/conda/env",
+            container_img=None, singularity_args=None, env_modules=None, bench_record=None, jobid=1,
+            bench_iteration=None, cleanup_scripts=True, shadow_dir=None, is_local=True)
+    finally:
+        sms.get_snakemake_searchpaths = real
+
+
+CHECK = """
+import json, sys
+failed = []
+for statement in {statements!r}:
+    try:
+        exec(statement, {{}})
+    except Exception as err:
+        failed.append(f"{{statement}}: {{type(err).__name__}}: {{err}}")
+import snaketrl
+print(json.dumps({{"failed": failed, "snaketrl": snaketrl.__file__, "rule": snakemake.rule}}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", ENVS, ids=lambda p: p.name)
+def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
+    """conda's pip step in a fresh venv (no system packages), then each script's imports behind the
+    preamble, with PYTHONPATH unset as Snakemake does for conda jobs. pip's cache stays on: reruns
+    download nothing again (no --no-cache-dir), and --no-compile leaves bytecode to the imports."""
+    spec, pip = env_spec(env)
+    if f"python={sys.version_info.major}.{sys.version_info.minor}" not in spec["dependencies"]:
+        pytest.skip(f"{env.name} pins another Python than this one")
+    # Bytecode may be written (into the throwaway venv): each later script then imports faster.
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    # As under Snakemake: the file copied elsewhere, pip run next to the copy on a requirements file.
+    (tmp_path / "hash.yaml").write_text(env.read_text())
+    (tmp_path / "condaenv.requirements.txt").write_text("\n".join(pip) + "\n")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=clean)
+    python = venv / "bin" / "python"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-compile", "-r", "condaenv.requirements.txt"],
+                          cwd=tmp_path, env=clean, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    site = next((venv / "lib").glob("python*/site-packages"))
+    assert not (site / "snakemake").exists() and not (site / PKG).exists()
+
+    # Snakemake's packages, as the preamble's fallback finds them in the submitting Python.
+    import snakemake
+
+    shim = tmp_path / "snakemake-searchpath"
+    shim.mkdir()
+    for pkg in Path(snakemake.__file__).parents[1].glob("snakemake*"):
+        if pkg.is_dir() and not pkg.name.endswith("-info"):
+            (shim / pkg.name).symlink_to(pkg)
+    jobs, workdir = tmp_path / "jobs", tmp_path / "workdir"
+    jobs.mkdir()
+    workdir.mkdir()
+    for script in env_scripts()[env]:
+        job = jobs / f"tmp.{script.name}"
+        job.write_text(_preamble(script, shim) + CHECK.format(statements=job_imports(script)))
+        proc = subprocess.run([str(python), str(job)], cwd=workdir, env=clean, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.splitlines()[-1])
+        assert out["failed"] == [], f"{script.name} in {env.name}"
+        assert out["snaketrl"] == str(ROOT / "scripts" / PKG / "__init__.py")
+        assert out["rule"] == script.stem
