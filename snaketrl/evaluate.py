@@ -187,6 +187,7 @@ def reward_model_scores(reward_dir, prompts, completions, *, batch_size: int = 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device).eval()
     texts, special = judge_texts(tokenizer, list(prompts), list(completions))
+    tokenizer.truncation_side = "left"  # a text too long keeps its end: the completion being judged
     limit = _max_positions(model, tokenizer.model_max_length)
     scores = []
     for start in range(0, len(texts), batch_size):
@@ -264,39 +265,49 @@ def _common_prefix(a, b) -> int:
 def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, temperature: float = 1.0,
                    max_length: int | None = None, start_token_id: int | None = None) -> list:
     """log p(token | everything before it) of each completion token, per (prompt ids, completion ids)
-    pair (right-padded batches, one forward each). A pair too long for `max_length` (default: the model's
-    context) loses prompt tokens from the left, then completion tokens from the right; an empty prompt
-    becomes `start_token_id` (default: the pad token)."""
+    pair. Batches are left-padded with explicit position ids, so every completion ends at the right edge
+    and only the last (longest completion + 1) positions' logits are computed where the model allows
+    (`logits_to_keep`): a long prompt costs no vocabulary-sized logits. A pair too long for `max_length`
+    (default: the model's context) loses prompt tokens from the left, then completion tokens from the
+    right; an empty prompt becomes `start_token_id` (default: the pad token)."""
+    import inspect
+
     import numpy as np
     import torch
 
     max_length = max_length or _max_positions(model)
     start_token_id = pad_token_id if start_token_id is None else start_token_id
     device = next(model.parameters()).device
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    can_keep = "logits_to_keep" in inspect.signature(inner.forward).parameters
     out = []
     for start in range(0, len(pairs), batch_size):
-        seqs, spans = [], []
+        seqs, n_completion = [], []
         for p, c in pairs[start:start + batch_size]:
             c = list(c)[:max_length - 1]
             p = list(p)[-(max_length - len(c)):] or [start_token_id]  # the first completion token needs a context
             seqs.append(p + c)
-            spans.append((len(p), len(c)))
+            n_completion.append(len(c))
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
+        for i, seq in enumerate(seqs):
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = max(n_completion) + 1
+        kwargs = {"logits_to_keep": keep} if can_keep else {}
         with torch.inference_mode():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                           **kwargs).logits
+        logits = logits[:, -keep:].float()  # positions width-keep .. width-1
         if temperature != 1.0:
             logits = logits / temperature
-        # log_softmax at the gathered positions only: logit - logsumexp.
-        targets = ids[:, 1:].to(device)
-        lp = logits[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits[:, :-1].logsumexp(-1)
-        lp = lp.cpu().numpy()
-        for i, (n_p, n_c) in enumerate(spans):
-            out.append(np.asarray(lp[i, n_p - 1:n_p - 1 + n_c], dtype=np.float64))
+        # The logit at position j predicts token j+1; log_softmax only where gathered: logit - logsumexp.
+        targets = ids[:, width - keep + 1:].to(device)
+        lp = (logits[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits[:, :-1].logsumexp(-1)).cpu().numpy()
+        for i, n in enumerate(n_completion):
+            out.append(np.asarray(lp[i, lp.shape[1] - n:], dtype=np.float64))
     return out
 
 
@@ -458,9 +469,11 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         if not (Path(rm_dir) / "config.json").is_file():
             raise ConfigError(f"{where}: reward model '{rm_name}' has no merged model at {rm_dir}")
 
+    timing, metrics = {"checks": time.perf_counter() - started}, {}
+    t = time.perf_counter()
     loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
     seed = target.get("seed", 0)
-    timing, metrics = {"load": time.perf_counter() - started}, {}
+    timing["load"] = time.perf_counter() - t
     rows = []
     if prompts_rows is not None:
         t = time.perf_counter()

@@ -293,3 +293,27 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
             "kind": "base", "run": None, "model": run["model"], "trainer": "base", "seed": run["seed"],
             "reference": None})
     return dict(sorted(targets.items()))
+
+
+def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict]) -> dict:
+    """The files one eval job reads (snaketrl.paths), by the names snaketrl.evaluate.evaluate's script
+    passes on: model (the start model), adapter (runs only), prompts/references/pairs (the prepared split
+    of each configured dataset), reward_models (merged reward runs, in evaluation.reward_models order) and
+    reference (the completions of the reference's eval job, for win rates)."""
+    from snaketrl import paths
+
+    target = eval_targets(ev, runs)[name]
+    if target["kind"] == "run":
+        run = runs[target["run"]]
+        inputs = {"model": paths.merged(run["policy"]) if run.get("policy") else paths.model(run["model"]),
+                  "adapter": paths.adapter(target["run"])}
+    else:
+        inputs = {"model": paths.model(target["model"])}
+    for kind in KINDS:
+        if ev[kind]:
+            inputs[kind] = paths.prepared(ev[kind]["dataset"], ev[kind]["trainer"], ev[kind]["split"])
+    if ev["reward_models"]:
+        inputs["reward_models"] = [paths.merged(r) for r in ev["reward_models"]]
+    if target["reference"] and ev["prompts"]:
+        inputs["reference"] = paths.evaluation(target["reference"], "completions.jsonl")
+    return inputs

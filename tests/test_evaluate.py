@@ -62,25 +62,32 @@ def adapters(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def judge_dir(tmp_path_factory):
-    """A 'merged reward model' of another family (GPT-NeoX, its own tokenizer): a one-label sequence
-    classifier with a random head, as a trained reward run's merged/ directory looks."""
-    import torch
+def pythia_dir(tmp_path_factory):
+    """A tiny model of another family (GPT-NeoX) with its own tokenizer."""
     import yaml
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from snaketrl.models import build_tiny_from_files
 
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    tmp = tmp_path_factory.mktemp("judge")
-    build_tiny_from_files(cfg["models"]["pythia-tiny"]["tiny"], [ROOT / "data/samples/tldr.jsonl"], tmp / "lm", seed=1)
+    out = tmp_path_factory.mktemp("pythia") / "lm"
+    build_tiny_from_files(cfg["models"]["pythia-tiny"]["tiny"], [ROOT / "data/samples/tldr.jsonl"], out, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def judge_dir(pythia_dir):
+    """A 'merged reward model' of another family: a one-label sequence classifier with a random head, as a
+    trained reward run's merged/ directory looks."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_pretrained(tmp / "lm", num_labels=1)
-    tok = AutoTokenizer.from_pretrained(tmp / "lm")
+    model = AutoModelForSequenceClassification.from_pretrained(pythia_dir, num_labels=1)
+    tok = AutoTokenizer.from_pretrained(pythia_dir)
     model.config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(tmp / "merged")
-    tok.save_pretrained(tmp / "merged")
-    return tmp / "merged"
+    model.save_pretrained(pythia_dir.parent / "merged")
+    tok.save_pretrained(pythia_dir.parent / "merged")
+    return pythia_dir.parent / "merged"
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +181,14 @@ def test_nll_matches_cross_entropy_by_hand(loaded):
     assert got["n_tokens"] == n and got["n_references"] == 4
     assert got["nll"] == pytest.approx(-sum(lp for lp, _ in direct) / n, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(got["nll"]))
+
+
+def test_nll_by_hand_for_another_family(pythia_dir):
+    plain = E.load_for_eval(pythia_dir, threads=1)
+    rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[4:7]
+    got = E.completion_nll(plain.model, plain.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+    direct = [_direct_logp(plain.model, plain.tokenizer, r["prompt"], r["completion"]) for r in rows]
+    assert got["nll"] == pytest.approx(-sum(lp for lp, _ in direct) / sum(k for _, k in direct), rel=1e-5)
 
 
 def test_preference_accuracy_is_dpo_implicit_reward_by_hand(loaded):
@@ -448,3 +463,36 @@ def test_k1_on_sampled_completions_estimates_the_exact_kl(loaded):
     exact = float((run.exp() * (run - base)).sum())
     assert exact > 0
     assert statistics.mean(k1) == pytest.approx(exact, abs=4 * statistics.stdev(k1) / len(k1) ** 0.5)
+
+
+def test_schema_section_validates_and_agrees_with_the_defaults(config):
+    import yaml
+
+    from snaketrl.config import validate
+    from snaketrl.evaluation_config import DEFAULTS
+
+    config["evaluation"] = {"prompts": {"dataset": "tldr", "size": 32}, "references": "tldr", "pairs": None,
+                            "reward_funcs": ["unique_chars"], "lm_eval": {"tasks": ["snaketrl_arithmetic"]}}
+    validate(config, str(ROOT / "config" / "schema.yaml"))
+    ev = config["evaluation"]
+    assert ev["generation"] == DEFAULTS["generation"] and ev["lm_eval"] == {**DEFAULTS["lm_eval"], **ev["lm_eval"]}
+    schema = yaml.safe_load((ROOT / "config" / "schema.yaml").read_text())["properties"]["evaluation"]["properties"]
+    assert set(schema) == set(DEFAULTS)
+    config["evaluation"]["prompts"] = {"dataset": "tldr", "split": "test"}
+    with pytest.raises(ConfigError, match=r"^config: evaluation.prompts.split: 'test' is not one of \['eval', 'train'\]$"):
+        validate(config, str(ROOT / "config" / "schema.yaml"))
+
+
+def test_eval_job_inputs_name_the_workflow_files(datasets):
+    from snaketrl import paths
+    from snaketrl.evaluation_config import eval_job_inputs
+
+    ev = check_evaluation({"prompts": "tldr", "pairs": "descriptiveness", "reward_models": ["reward-pythia-tiny"]},
+                          _runs(), datasets)
+    assert eval_job_inputs("ppo-qwen2-tiny", ev, _runs()) == {
+        "model": paths.merged("sft-qwen2-tiny"), "adapter": paths.adapter("ppo-qwen2-tiny"),
+        "prompts": paths.prepared("tldr", "grpo", "eval"), "pairs": paths.prepared("descriptiveness", "dpo", "eval"),
+        "reward_models": [paths.merged("reward-pythia-tiny")],
+        "reference": paths.evaluation("sft-qwen2-tiny", "completions.jsonl")}
+    assert eval_job_inputs("base-qwen2-tiny", ev, _runs())["model"] == paths.model("qwen2-tiny")
+    assert "reference" not in eval_job_inputs("base-qwen2-tiny", ev, _runs())
