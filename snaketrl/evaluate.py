@@ -167,6 +167,9 @@ def judge_texts(tokenizer, prompts, completions) -> tuple[list[str], bool]:
     prompt + completion + its eos, as TRL's RewardTrainer trained it. Returns (texts, add_special_tokens)."""
     comps = _as_completions(prompts, completions)
     if prompts and is_conversational(prompts[0]):
+        if not tokenizer.chat_template:
+            raise ConfigError(f"evaluation.reward_models: the judge's tokenizer ({tokenizer.name_or_path}) has no chat "
+                              f"template, and the prompts are conversations")
         return tokenizer.apply_chat_template([list(p) + list(c) for p, c in zip(prompts, comps)], tokenize=False), False
     return [p + c + (tokenizer.eos_token or "") for p, c in zip(prompts, comps)], True
 
