@@ -73,6 +73,22 @@ def merged(run: str) -> str:
     return f"{run_dir(run)}/merged"
 
 
+def evaluation(name: str, file: str) -> str:
+    """One eval job's output (name: a run, or base-<model>): completions.jsonl (one row per prompt, every
+    score) and metrics.json (the run's aggregates)."""
+    return f"{RESULTS}/evaluation/{name}/{file}"
+
+
+def evaluation_db() -> str:
+    """Every eval job's rows and metrics, and the training-time samples, in one SQLite database."""
+    return f"{RESULTS}/evaluation.sqlite"
+
+
+def training_samples(run: str) -> str:
+    """Completions sampled while training (GRPO/RLOO generation batches, PPO sample generations)."""
+    return run_file(run, "training_samples.jsonl")
+
+
 def checkpoints(run: str) -> str:
     """Outside the declared outputs: Snakemake deletes those when a job fails, and a rerun resumes from here."""
     return f"{RESULTS}/checkpoints/{run}"

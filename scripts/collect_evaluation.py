@@ -1,0 +1,6 @@
+from snaketrl.evaluate import collect
+from snaketrl.smk import logged
+
+with logged(snakemake):
+    print(collect(snakemake.input.completions, snakemake.output[0], metrics_files=snakemake.input.metrics,
+                  samples_files=snakemake.input.get("samples", [])))

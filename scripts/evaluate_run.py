@@ -1,0 +1,12 @@
+from snaketrl.evaluate import evaluate
+from snaketrl.smk import logged
+
+with logged(snakemake):
+    inp = snakemake.input
+    settings = snakemake.params.settings
+    print(evaluate(target=snakemake.params.target, settings=settings, model_dir=inp.model,
+                   adapter_dir=inp.get("adapter"), prompts_file=inp.get("prompts"),
+                   references_file=inp.get("references"), pairs_file=inp.get("pairs"),
+                   reward_models=dict(zip(settings["reward_models"], inp.get("reward_models", []))),
+                   reference_completions=inp.get("reference"), out_completions=snakemake.output.completions,
+                   out_metrics=snakemake.output.metrics, threads=snakemake.threads))

@@ -1,0 +1,319 @@
+"""The `evaluation:` config section, checked at parse time; which eval jobs exist and what each reads.
+
+Pure Python (no torch, transformers, trl or lm_eval import): the Snakefile calls this while parsing.
+snaketrl.evaluate does the work in the jobs.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from pathlib import Path
+
+from snaketrl.errors import ConfigError, DataError
+from snaketrl.rewards import BUILTINS
+from snaketrl.trainers import REGISTRY
+
+# What each evaluation dataset is for: the layout it is prepared with (snaketrl.data.LAYOUTS) and the
+# columns the metric needs. Preference rows without a prompt get one from the shared start of
+# chosen/rejected when preprocessed, so (chosen, rejected) datasets serve too.
+KINDS = {
+    "prompts": {"layout": "prompt", "needs": ("prompt",), "for": "generation"},
+    "references": {"layout": "language_modeling", "needs": ("prompt", "completion"), "for": "held-out NLL"},
+    "pairs": {"layout": "preference", "needs": ("prompt", "chosen", "rejected"), "for": "preference accuracy"},
+}
+# Columns a `format` conversion produces (snaketrl.data.FORMATS).
+FORMAT_COLUMNS = {"alpaca": ("prompt", "completion"), "hh": ("prompt", "chosen", "rejected")}
+
+DEFAULTS = {
+    "runs": None,
+    "prompts": None,
+    "references": None,
+    "pairs": None,
+    "generation": {"max_new_tokens": 64, "do_sample": False, "temperature": 1.0, "top_p": 1.0, "batch_size": 16},
+    "batch_size": 16,
+    "reward_funcs": [],
+    "reward_models": [],
+    "lm_eval": {"tasks": [], "limit": None, "batch_size": 8, "num_fewshot": None},
+}
+KIND_DEFAULTS = {"split": "eval", "size": None}
+
+# lm-evaluation-harness tasks defined in this project (TaskManager include_path).
+LM_EVAL_TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
+LM_EVAL_PIN = "lm-eval==0.4.13"
+BASE_PREFIX = "base-"
+
+
+def data_trainer(kind: str) -> str:
+    """The trainer whose preprocessing gives a kind's rows (the prepared file the eval job reads):
+    the first registered trainer with the kind's layout (prompts: grpo, references: sft, pairs: dpo)."""
+    layout = KINDS[kind]["layout"]
+    return next(name for name, spec in REGISTRY.items() if spec.layout == layout)
+
+
+def score_name(kind: str, name: str) -> str:
+    """A score's column name: `fn_<function>` or `rm_<reward model run>`, as an SQL identifier."""
+    return f"{kind}_" + re.sub(r"\W", "_", name.rsplit(":", 1)[-1] if kind == "fn" else name)
+
+
+def reward_func_name(entry) -> str:
+    return entry if isinstance(entry, str) else entry["function"]
+
+
+def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict[str, dict]) -> dict | None:
+    """The `evaluation:` section checked against the runs (snaketrl.config.check's result) and the
+    datasets (config["datasets"]), with defaults filled. None when there is no section.
+    Raises a one-line ConfigError naming the key."""
+    if not section:
+        return None
+    ev = _with_defaults(section)
+    where = "config: evaluation"
+
+    causal = sorted(n for n, r in runs.items() if REGISTRY[r["trainer"]].task_type == "CAUSAL_LM")
+    if ev["runs"] is None:
+        ev["runs"] = causal
+    for name in ev["runs"]:
+        if name not in runs:
+            raise ConfigError(f"{where}.runs: no run named '{name}'{_close(name, runs)}; runs are {sorted(runs)}")
+        if name not in causal:
+            raise ConfigError(f"{where}.runs: run '{name}' trains a reward model ({runs[name]['trainer']}), which "
+                              f"generates nothing; list it under evaluation.reward_models to judge with it")
+    for name in [*runs, *ev["runs"]]:
+        if name.startswith(BASE_PREFIX) and name[len(BASE_PREFIX):] in {r["model"] for r in runs.values()}:
+            raise ConfigError(f"{where}: run name '{name}' is taken by the evaluation of base model "
+                              f"'{name[len(BASE_PREFIX):]}'; rename the run")
+
+    reward_runs = sorted(n for n, r in runs.items() if r["trainer"] == "reward")
+    for name in ev["reward_models"]:
+        if name not in runs:
+            raise ConfigError(f"{where}.reward_models: '{name}' is not a run{_close(name, runs)}; reward model "
+                              f"runs are {reward_runs}")
+        if runs[name]["trainer"] != "reward":
+            raise ConfigError(f"{where}.reward_models: run '{name}' trains '{runs[name]['trainer']}', not a reward "
+                              f"model; reward model runs are {reward_runs}")
+
+    names = []
+    for entry in ev["reward_funcs"]:
+        fname = reward_func_name(entry)
+        if ":" not in fname and fname not in BUILTINS:
+            raise ConfigError(f"{where}.reward_funcs: unknown reward function '{fname}'; expected one of "
+                              f"{sorted(BUILTINS)} or 'package.module:function'")
+        names.append(score_name("fn", fname))
+    names += [score_name("rm", n) for n in ev["reward_models"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"{where}: two scores would both be named '{dupes[0]}' (reward_funcs and reward_models "
+                          f"must have distinct names)")
+
+    for kind in KINDS:
+        if ev[kind] is not None:
+            _check_kind(ev, kind, datasets, where)
+    if ev["prompts"] is None and (ev["reward_funcs"] or ev["reward_models"]):
+        raise ConfigError(f"{where}: reward_funcs/reward_models score generated completions; set "
+                          f"evaluation.prompts.dataset")
+    if not any(ev[k] for k in KINDS) and not ev["lm_eval"]["tasks"]:
+        raise ConfigError(f"{where}: nothing to evaluate; set prompts, references, pairs or lm_eval.tasks")
+
+    gen = ev["generation"]
+    for key in ("max_new_tokens", "batch_size"):
+        if not isinstance(gen[key], int) or isinstance(gen[key], bool) or gen[key] < 1:
+            raise ConfigError(f"{where}.generation.{key}: expected a positive integer, got {gen[key]!r}")
+    if gen["do_sample"] and not gen["temperature"] > 0:
+        raise ConfigError(f"{where}.generation.temperature: expected > 0 when sampling, got {gen['temperature']!r}")
+
+    check_lm_eval_tasks(ev["lm_eval"]["tasks"], f"{where}.lm_eval.tasks")
+    return ev
+
+
+def _with_defaults(section: dict) -> dict:
+    ev = copy.deepcopy(DEFAULTS)
+    for key, value in section.items():
+        if key not in DEFAULTS:
+            raise ConfigError(f"config: evaluation.{key}: unknown key; expected one of {sorted(DEFAULTS)}")
+        if isinstance(DEFAULTS[key], dict) and isinstance(value, dict):
+            ev[key] = {**DEFAULTS[key], **copy.deepcopy(value)}
+        else:
+            ev[key] = copy.deepcopy(value)
+    for kind in KINDS:
+        if isinstance(ev[kind], str):  # shorthand: `prompts: tldr`
+            ev[kind] = {"dataset": ev[kind]}
+        if ev[kind] is not None:
+            ev[kind] = {**KIND_DEFAULTS, **ev[kind]}
+    return ev
+
+
+def _close(name: str, pool) -> str:
+    match = difflib.get_close_matches(name, list(pool), n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _check_kind(ev: dict, kind: str, datasets: dict, where: str) -> None:
+    entry = ev[kind]
+    name = entry.get("dataset")
+    if name not in datasets:
+        raise ConfigError(f"{where}.{kind}.dataset: unknown dataset {name!r}; expected one of {sorted(datasets)}")
+    if entry["split"] not in ("train", "eval"):
+        raise ConfigError(f"{where}.{kind}.split: expected 'eval' (held out from training) or 'train', "
+                          f"got {entry['split']!r}")
+    size = entry["size"]
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise ConfigError(f"{where}.{kind}.size: expected a positive integer or null, got {size!r}")
+    entry["trainer"] = data_trainer(kind)
+    present = _first_row_columns(datasets[name])
+    if present is None:  # a Hub dataset or a non-JSONL file: the eval job checks its rows
+        return
+    missing = missing_columns(kind, present, datasets[name].get("columns") or {})
+    if missing:
+        raise ConfigError(f"{where}.{kind}: dataset '{name}' has no column '{missing}' "
+                          f"({KINDS[kind]['for']} needs {', '.join(KINDS[kind]['needs'])}); its columns are "
+                          f"{present} (map names with datasets.{name}.columns)")
+
+
+def missing_columns(kind: str, present, mapping: dict) -> str | None:
+    """The first needed column a dataset lacks (None if none), after the user's column mapping; as
+    preprocessing does, the first layout alternative the columns satisfy is the one used."""
+    from snaketrl.data import LAYOUTS
+
+    renamed = {c: c for c in present} | {t: s for t, s in mapping.items() if s in present}
+    needs = KINDS[kind]["needs"]
+    for wanted in LAYOUTS[KINDS[kind]["layout"]]:
+        if all(c in renamed for c in wanted):
+            # (chosen, rejected) get their prompt from the shared start when preprocessed.
+            got = set(wanted) | ({"prompt"} if {"chosen", "rejected"} <= set(wanted) else set())
+            return next((c for c in needs if c not in got), None)
+    return next(c for c in needs if c not in renamed)
+
+
+def _first_row_columns(entry: dict) -> list[str] | None:
+    """Columns of the first row of a local JSON Lines dataset (after its `format`), read cheaply."""
+    files = entry.get("files")
+    if files is None:
+        return None
+    path = Path(files if isinstance(files, str) else files["train"])
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return None  # preprocessing names the bad line
+                if not isinstance(row, dict):
+                    return None
+                fmt = entry.get("format")
+                return list(FORMAT_COLUMNS[fmt]) if fmt else list(row)
+    return None
+
+
+def check_rows(rows: list[dict], kind: str, where: str) -> None:
+    """The eval job's check of its rows, before any model loads (DataError)."""
+    if not rows:
+        raise DataError(f"{where}: no rows")
+    missing = next((c for c in KINDS[kind]["needs"] if c not in rows[0]), None)
+    if missing:
+        raise DataError(f"{where}: no column '{missing}' ({KINDS[kind]['for']} needs "
+                        f"{', '.join(KINDS[kind]['needs'])}); columns are {list(rows[0])}")
+
+
+# --- lm-evaluation-harness task names ------------------------------------------------------------
+
+_TASK_LINE = re.compile(r"^(?:task|group|tag):[ \t]*['\"]?([^\s'\"#\[]+)", re.M)
+_TAG_LIST = re.compile(r"^tag:[ \t]*\n((?:[ \t]+-[ \t]*\S+[ \t]*\n)+)", re.M)
+
+
+def _task_names(path: Path) -> set[str]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    names = set(_TASK_LINE.findall(text))
+    for block in _TAG_LIST.findall(text):
+        names.update(re.findall(r"-[ \t]*['\"]?([^\s'\"]+)", block))
+    return names
+
+
+def project_tasks() -> set[str]:
+    return set().union(*(_task_names(p) for p in sorted(LM_EVAL_TASKS_DIR.glob("*.yaml")))) if (
+        LM_EVAL_TASKS_DIR.is_dir()) else set()
+
+
+def lm_eval_installed() -> Path | None:
+    """lm_eval's task directory, found without importing it (its import loads torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    return Path(spec.origin).parent / "tasks" if spec and spec.origin else None
+
+
+def builtin_tasks() -> set[str]:
+    """Task, group and tag names of lm-eval's own task YAMLs (a text scan, ~0.5 s; lm-eval's TaskManager,
+    which the eval job uses, is authoritative)."""
+    root = lm_eval_installed()
+    return set().union(*(_task_names(p) for p in root.rglob("*.yaml"))) if root else set()
+
+
+def check_lm_eval_tasks(tasks, where: str) -> None:
+    if not tasks:
+        return
+    own = project_tasks()
+    others = [t for t in tasks if t not in own]
+    if not others:
+        return
+    if lm_eval_installed() is None:
+        raise ConfigError(f"{where}: lm-eval task '{others[0]}' needs lm-eval, which is not installed "
+                          f"(pip install {LM_EVAL_PIN}); project tasks are {sorted(own)}")
+    known = builtin_tasks()
+    for task in others:
+        if task not in known:
+            raise ConfigError(f"{where}: unknown lm-eval task '{task}'{_close(task, own | known)}; project tasks "
+                              f"(snaketrl/lm_eval_tasks) are {sorted(own)}")
+
+
+# --- The eval jobs -------------------------------------------------------------------------------
+
+def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
+    """Eval job name -> what it evaluates. Each listed run is evaluated as its start model + its adapter;
+    each base model it starts from once alone (`base-<model>`), and that job's completions are the runs'
+    reference for win rates. A run started from another run (`policy`) is compared with that run instead."""
+    targets: dict[str, dict] = {}
+    for name in ev["runs"]:
+        run = runs[name]
+        reference = run["policy"] if run.get("policy") else BASE_PREFIX + run["model"]
+        targets[name] = {"kind": "run", "run": name, "model": run["model"], "trainer": run["trainer"],
+                         "seed": run["seed"], "reference": reference}
+        chain = name
+        while runs[chain].get("policy"):  # the reference must be evaluated too
+            chain = runs[chain]["policy"]
+            if chain not in targets:
+                r = runs[chain]
+                targets[chain] = {"kind": "run", "run": chain, "model": r["model"], "trainer": r["trainer"],
+                                  "seed": r["seed"],
+                                  "reference": r["policy"] if r.get("policy") else BASE_PREFIX + r["model"]}
+        targets.setdefault(BASE_PREFIX + run["model"], {
+            "kind": "base", "run": None, "model": run["model"], "trainer": "base", "seed": run["seed"],
+            "reference": None})
+    return dict(sorted(targets.items()))
+
+
+def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict]) -> dict:
+    """The files one eval job reads (snaketrl.paths), by the names snaketrl.evaluate.evaluate's script
+    passes on: model (the start model), adapter (runs only), prompts/references/pairs (the prepared split
+    of each configured dataset), reward_models (merged reward runs, in evaluation.reward_models order) and
+    reference (the completions of the reference's eval job, for win rates)."""
+    from snaketrl import paths
+
+    target = eval_targets(ev, runs)[name]
+    if target["kind"] == "run":
+        run = runs[target["run"]]
+        inputs = {"model": paths.merged(run["policy"]) if run.get("policy") else paths.model(run["model"]),
+                  "adapter": paths.adapter(target["run"])}
+    else:
+        inputs = {"model": paths.model(target["model"])}
+    for kind in KINDS:
+        if ev[kind]:
+            inputs[kind] = paths.prepared(ev[kind]["dataset"], ev[kind]["trainer"], ev[kind]["split"])
+    if ev["reward_models"]:
+        inputs["reward_models"] = [paths.merged(r) for r in ev["reward_models"]]
+    if target["reference"] and ev["prompts"]:
+        inputs["reference"] = paths.evaluation(target["reference"], "completions.jsonl")
+    return inputs
