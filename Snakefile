@@ -3,7 +3,9 @@ import sys
 from snakemake.utils import min_version
 
 # Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
-from snaketrl.config import ConfigError, check, validate
+from snaketrl.config import check, validate
+from snaketrl.errors import SnaketrlError
+from snaketrl.evaluation_config import check_evaluation, eval_targets
 
 min_version("9.0")
 
@@ -18,7 +20,9 @@ if not workflow.overwrite_configfiles:
 try:
     validate(config, workflow.source_path("config/schema.yaml"))
     RUNS = check(config)
-except ConfigError as err:
+    EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"])
+    EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
+except SnaketrlError as err:
     sys.exit(f"snaketrl: {err}")
 
 
@@ -26,9 +30,11 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/models.smk"
 include: "rules/train.smk"
+include: "rules/evaluate.smk"
 include: "rules/report.smk"
 
 
 rule all:
     input:
         paths.report(),
+        [paths.evaluation_db()] if EVAL else [],

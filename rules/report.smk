@@ -47,6 +47,10 @@ rule report:
         pretrain_metrics=[
             paths.pretrain_file(m, "metrics.json") for m in pretrained_models()
         ],
+        eval_metrics=[paths.evaluation(n, "metrics.json") for n in EVAL_TARGETS],
+        eval_completions=[
+            paths.evaluation(n, "completions.jsonl") for n in EVAL_TARGETS
+        ],
     output:
         report(paths.report(), category="Report"),
     log:
@@ -56,5 +60,7 @@ rule report:
     params:
         runs={r: RUNS[r] for r in report_runs()},
         pretrained=pretrained_models(),
+        evaluated=list(EVAL_TARGETS),
+        groups={n: RUNS[n]["group"] if n in RUNS else n for n in EVAL_TARGETS},
     script:
         "../scripts/report.py"

@@ -6,6 +6,7 @@ rule train:
         state=paths.run_file("{run}", "trainer_state.json"),
         metrics=paths.run_file("{run}", "metrics.json"),
         manifest=paths.run_file("{run}", "manifest.json"),
+        samples=paths.training_samples("{run}"),
     log:
         paths.log("train", "{run}"),
     benchmark:

@@ -130,7 +130,28 @@ def check(config: dict) -> dict[str, dict]:
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
     _check_local_files(config, runs)
-    return {name: resolve_run(config, name, run) for name, run in runs.items()}
+    return {name: resolve_run(config, name, run) for name, run in with_seeds(config, runs).items()}
+
+
+def with_seeds(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
+    """Each run once per seed of `seeds` (its own, else the top level's) as `<run>-seed<N>`, its `group` the
+    run's name; without seeds, the run itself with the global seed. A seeded run's reward model and policy
+    are the same seed's runs of theirs. Data splits and tiny bases keep the global seed: seeds vary only
+    the training, so their spread is the training's noise."""
+    def names(name):
+        seeds = runs[name].get("seeds") or config.get("seeds")
+        return {s: f"{name}-seed{s}" for s in seeds} if seeds else {config["seed"]: name}
+
+    out = {}
+    for name, run in runs.items():
+        for seed, seeded in names(name).items():
+            new = {**{k: v for k, v in run.items() if k != "seeds"}, "group": name, "seed": seed}
+            for key in ("reward_model", "policy"):
+                if run.get(key):
+                    theirs = names(run[key])
+                    new[key] = theirs.get(seed, next(iter(theirs.values())))
+            out[seeded] = new
+    return out
 
 
 def _check_local_files(config: dict, runs: dict) -> None:
@@ -177,7 +198,7 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         "args": trl_args(config, run), "lora": lora,
         "model_entry": config["models"][run["model"]], "dataset_entry": config["datasets"][run["dataset"]],
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
-        "policy": run.get("policy"), "seed": config["seed"],
+        "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
     })
 
 

@@ -74,6 +74,12 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     causal = sorted(n for n, r in runs.items() if REGISTRY[r["trainer"]].task_type == "CAUSAL_LM")
     if ev["runs"] is None:
         ev["runs"] = causal
+    # A run repeated over seeds may be named by its group: evaluate every seed; judge with the first.
+    members = {}
+    for n, r in sorted(runs.items(), key=lambda kv: (kv[1].get("seed", 0), kv[0])):
+        members.setdefault(r.get("group", n), []).append(n)
+    ev["runs"] = [m for n in ev["runs"] for m in (members.get(n, [n]) if n not in runs else [n])]
+    ev["reward_models"] = [n if n in runs else members.get(n, [n])[0] for n in ev["reward_models"]]
     for name in ev["runs"]:
         if name not in runs:
             raise ConfigError(f"{where}.runs: no run named '{name}'{_close(name, runs)}; runs are {sorted(runs)}")
@@ -273,22 +279,13 @@ def check_lm_eval_tasks(tasks, where: str) -> None:
 
 def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
     """Eval job name -> what it evaluates. Each listed run is evaluated as its start model + its adapter;
-    each base model it starts from once alone (`base-<model>`), and that job's completions are the runs'
-    reference for win rates. A run started from another run (`policy`) is compared with that run instead."""
+    each base model once alone (`base-<model>`), and that job's completions are the reference of every run
+    of that model for win rates: one yardstick, the untrained base, whatever a run started from."""
     targets: dict[str, dict] = {}
     for name in ev["runs"]:
         run = runs[name]
-        reference = run["policy"] if run.get("policy") else BASE_PREFIX + run["model"]
         targets[name] = {"kind": "run", "run": name, "model": run["model"], "trainer": run["trainer"],
-                         "seed": run["seed"], "reference": reference}
-        chain = name
-        while runs[chain].get("policy"):  # the reference must be evaluated too
-            chain = runs[chain]["policy"]
-            if chain not in targets:
-                r = runs[chain]
-                targets[chain] = {"kind": "run", "run": chain, "model": r["model"], "trainer": r["trainer"],
-                                  "seed": r["seed"],
-                                  "reference": r["policy"] if r.get("policy") else BASE_PREFIX + r["model"]}
+                         "seed": run["seed"], "reference": BASE_PREFIX + run["model"]}
         targets.setdefault(BASE_PREFIX + run["model"], {
             "kind": "base", "run": None, "model": run["model"], "trainer": "base", "seed": run["seed"],
             "reference": None})

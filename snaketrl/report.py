@@ -142,7 +142,63 @@ def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
             "png": data_uri(buf.getvalue())}
 
 
-def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: dict[str, dict] | None = None) -> str:
+def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_prompts: int = 4) -> dict | None:
+    """The yardstick (`evaluated`: eval job -> {metrics, completions} files): the leaderboard, mean reward per
+    run with error bars, and completions side by side (prompt | base | each run) for a few prompts."""
+    if not evaluated:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from snaketrl import leaderboard
+    from snaketrl.data import read_jsonl
+
+    metrics = {job: read_json(f["metrics"]) for job, f in evaluated.items()}
+    board, best = leaderboard.table(metrics, groups)
+    scores = [c for c in board["mean"].columns if c.startswith("rm_") and not c.endswith(" win")]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(board["mean"])), 3.5))
+    width = 0.8 / max(1, len(scores))
+    for i, score in enumerate(scores):
+        # Spread over seeds where there are several, else over the prompts of the one job.
+        prompt_std = {groups.get(j, j): m["scores"][score]["std"] for j, m in metrics.items() if score in m.get("scores", {})}
+        err = [board["std"].loc[g, score] if board["info"].loc[g, "seeds"] > 1 else prompt_std.get(g, 0)
+               for g in board["mean"].index]
+        ax.bar([x + i * width for x in range(len(board["mean"]))], board["mean"][score], width, yerr=err, capsize=2,
+               label=score)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(board["mean"]))], board["mean"].index, rotation=45,
+                  ha="right", fontsize=7)
+    ax.set_title("mean reward-model score per run (error bars: seeds, or prompts for one seed)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+
+    side = []
+    completions = {job: read_jsonl(f["completions"]) for job, f in evaluated.items()}
+    first_job = {}  # group -> its first seed's job: the side-by-side table shows one completion per group
+    for job in sorted(metrics):
+        first_job.setdefault(groups.get(job, job), job)
+    for model in sorted({m["model"] for m in metrics.values()}):
+        jobs = {g: j for g, j in first_job.items() if g in board["mean"].index and metrics[j]["model"] == model}
+        jobs = {g: jobs[g] for g in board["mean"].index if g in jobs}  # bases first, as in the leaderboard
+        n = min(n_prompts, *(len(completions[j]) for j in jobs.values()))
+        rows = [{"prompt": _text(completions[next(iter(jobs.values()))][i]["prompt"]),
+                 **{g: completions[j][i]["completion"] for g, j in jobs.items()}} for i in range(n)]
+        side.append({"model": model, "table": pd.DataFrame(rows).to_html(index=False, classes="summary side")})
+    return {"leaderboard": leaderboard.to_html(board, best), "png": data_uri(buf.getvalue()), "side": side}
+
+
+def _text(prompt) -> str:
+    if isinstance(prompt, list):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    return prompt
+
+
+def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: dict[str, dict] | None = None,
+           evaluated: dict[str, dict] | None = None, groups: dict[str, str] | None = None) -> str:
     import jinja2
 
     from snaketrl.io import atomic
@@ -166,7 +222,8 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: di
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(
         table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
-        sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}))
+        sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}),
+        evaluation=evaluation_section(evaluated or {}, groups or {}))
     with atomic(out) as tmp:
         tmp.write_text(html, encoding="utf-8")
     return html

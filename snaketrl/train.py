@@ -172,7 +172,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
               reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
     """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
     and manifest.json into out_dir, each whole or not at all."""
-    from snaketrl import manifest
+    from snaketrl import manifest, training_samples
     from snaketrl.io import atomic, hash_path, write_json
 
     spec = REGISTRY[run["trainer"]]
@@ -207,14 +207,19 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
               "reward_model": reward_dir}
     hashes = {name: hash_path(path) for name, path in inputs.items() if path}
     resume = None
+    samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
     if spec.resumable:
         # Resume only what the same config and the same inputs started.
         parts = {"config": _fingerprint(run), **hashes}
         resume = last_checkpoint(checkpoint_dir, parts)
         if resume:
             log.info("resuming %s from %s", run["name"], resume)
+        training_samples.attach(trainer, samples, run["name"])
         metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     else:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        samples.unlink(missing_ok=True)  # it starts over: so do its samples
+        training_samples.attach(trainer, samples, run["name"])
         # PPO runs its own loop: no resume_from_checkpoint, no final summary entry.
         started = time.perf_counter()
         trainer.train()
@@ -233,6 +238,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     with atomic(out_dir / "trainer_state.json") as tmp:
         trainer.state.save_to_json(str(tmp))
     write_json(metrics, out_dir / "metrics.json")
+    training_samples.finish(samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
                    inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
                    device="cuda" if torch.cuda.is_available() else "cpu", resumed_from=resume)

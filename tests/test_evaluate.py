@@ -408,8 +408,9 @@ def test_eval_rows_are_checked_before_any_model_loads(tmp_path, datasets):
 def test_eval_targets_add_base_jobs_and_references(datasets):
     ev = check_evaluation({"prompts": "tldr", "runs": ["ppo-qwen2-tiny", "dpo-qwen2-tiny"]}, _runs(), datasets)
     targets = eval_targets(ev, _runs())
-    assert sorted(targets) == ["base-qwen2-tiny", "dpo-qwen2-tiny", "ppo-qwen2-tiny", "sft-qwen2-tiny"]
-    assert targets["ppo-qwen2-tiny"]["reference"] == "sft-qwen2-tiny"  # started from SFT's merged model
+    assert sorted(targets) == ["base-qwen2-tiny", "dpo-qwen2-tiny", "ppo-qwen2-tiny"]
+    # One yardstick: win rates against the untrained base, also for a run started from SFT's merged model.
+    assert targets["ppo-qwen2-tiny"]["reference"] == "base-qwen2-tiny"
     assert targets["dpo-qwen2-tiny"]["reference"] == "base-qwen2-tiny"
     assert targets["base-qwen2-tiny"] == {"kind": "base", "run": None, "model": "qwen2-tiny", "trainer": "base",
                                           "seed": 42, "reference": None}

@@ -1,0 +1,40 @@
+# One yardstick for every run: the same prompts, rewards and judges, each run against its base model.
+rule evaluate:
+    input:
+        unpack(lambda wc: eval_job_inputs(wc.evaluated, EVAL, RUNS)),
+    output:
+        completions=paths.evaluation("{evaluated}", "completions.jsonl"),
+        metrics=paths.evaluation("{evaluated}", "metrics.json"),
+    log:
+        paths.log("evaluate", "{evaluated}"),
+    benchmark:
+        paths.benchmark("evaluate", "{evaluated}")
+    wildcard_constraints:
+        evaluated=_alternatives(EVAL_TARGETS),
+    conda:
+        "../envs/train.yaml"
+    # One thread: tiny models gain nothing from two, and lose much when the cores are shared.
+    threads: 1
+    resources:
+        mem_mb=per_attempt(8000),
+        runtime=per_attempt(60),
+    params:
+        target=lambda wc: EVAL_TARGETS[wc.evaluated],
+        settings=canonical(EVAL) if EVAL else None,
+    script:
+        "../scripts/evaluate_run.py"
+
+
+rule collect_evaluation:
+    input:
+        completions=[paths.evaluation(n, "completions.jsonl") for n in EVAL_TARGETS],
+        metrics=[paths.evaluation(n, "metrics.json") for n in EVAL_TARGETS],
+        samples=[paths.training_samples(r) for r in report_runs()],
+    output:
+        paths.evaluation_db(),
+    log:
+        paths.log("collect_evaluation", "db"),
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/collect_evaluation.py"
