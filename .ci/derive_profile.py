@@ -17,7 +17,8 @@ for rule, res in profile["set-resources"].items():
     res.update(slurm_partition="ci", mem_mb="6000 * attempt")
     for key in ("gpu", "gpu_model", "cpus_per_gpu"):
         res.pop(key, None)
-profile["set-resources"]["train"]["cpus_per_task"] = 2  # as many threads as the local run's train jobs
+profile["set-resources"]["train"]["cpus_per_task"] = 1  # as many threads as the local run's train jobs
+profile.pop("set-threads", None)  # the local run's one thread per job: losses must match bit for bit
 dest.parent.mkdir(parents=True, exist_ok=True)
 dest.write_text(yaml.safe_dump(profile, sort_keys=False))
 print(dest.read_text())

@@ -35,7 +35,7 @@ rule pretrain:
         model=_alternatives(TINY_MODELS),
     conda:
         "../envs/train.yaml"
-    threads: 2
+    threads: 1
     resources:
         mem_mb=per_attempt(4000),
         runtime=per_attempt(30),

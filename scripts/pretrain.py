@@ -1,4 +1,4 @@
-from snaketrl.pretrain import pretrain_model
+from snaketrl.models import pretrain_model
 from snaketrl.smk import logged
 
 with logged(snakemake):

@@ -119,3 +119,31 @@ def download(name: str, entry: dict, out_dir: str | Path) -> None:
     if not any(out_dir.glob("*.safetensors")) and not any(out_dir.glob("*/*.safetensors")):
         raise RuntimeError(f"model '{name}': '{repo}' has no safetensors weights; this workflow loads only "
                            f"safetensors (convert the checkpoint first)")
+
+
+def pretrain_model(init_dir, corpus, model_dir, state_file, metrics_file, settings: dict,
+                   threads: int | None = None) -> dict:
+    """The pretrain rule: pretrain the random-init model of `init_dir` on `corpus` (`settings`: steps,
+    batch_size, block_size, learning_rate, eval_share, seed) into `model_dir`; its log to `state_file`,
+    its final numbers and a generated sample to `metrics_file`. Each output whole or not at all."""
+    import shutil
+
+    from snaketrl.io import atomic, write_json
+    from snaketrl.pretrain import generate_sample, pretrain
+
+    with atomic(model_dir, directory=True) as tmp:
+        metrics = pretrain(init_dir, corpus, tmp, steps=settings["steps"], seed=settings["seed"],
+                           block_size=settings["block_size"], batch_size=settings["batch_size"],
+                           learning_rate=settings["learning_rate"], eval_share=settings["eval_share"],
+                           threads=threads)
+        with atomic(state_file) as state_tmp:
+            shutil.move(tmp / "trainer_state.json", state_tmp)
+        prompt = SAMPLE_PROMPT
+        metrics["sample_prompt"], metrics["sample"] = prompt, generate_sample(tmp, prompt, max_new_tokens=24)
+    write_json(metrics, metrics_file)
+    print(metrics)
+    return metrics
+
+
+# A prompt in the default corpus's style (the tldr sample): the report shows how the base continues it.
+SAMPLE_PROMPT = "SUBREDDIT: r/relationships\n\nTITLE: My roommate borrowed my car, what now?\n\nPOST:"
