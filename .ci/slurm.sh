@@ -74,7 +74,7 @@ for _ in $(seq 60); do sinfo -h -o %t 2>/dev/null | grep -q idle && { up=1; brea
 sinfo
 
 # The same reduced workflow, once locally and once through SLURM.
-reduce='c["matrix"] = {"trainers": ["sft", "dpo"], "models": ["qwen2-tiny"]}'
+reduce='c["matrix"] = {"trainers": ["sft", "dpo"], "models": ["qwen2-tiny"]}; c.pop("evaluation", None); c["trainers"] = {t: c["trainers"][t] for t in ("sft", "dpo")}'
 for dest in local slurm; do
   mkdir -p "$work/$dest"
   cp -r "$repo"/{Snakefile,rules,scripts,config,envs,data,report} "$work/$dest/"
