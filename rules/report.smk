@@ -51,6 +51,7 @@ rule report:
         eval_completions=[
             paths.evaluation(n, "completions.jsonl") for n in EVAL_TARGETS
         ],
+        eval_db=[paths.evaluation_db()] if EVAL else [],
     output:
         report(paths.report(), category="Report"),
     log:

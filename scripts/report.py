@@ -11,4 +11,4 @@ with logged(snakemake):
     evaluated = {job: {"metrics": inputs.eval_metrics[i], "completions": inputs.eval_completions[i]}
                  for i, job in enumerate(snakemake.params.evaluated)}
     render(runs=snakemake.params.runs, files=files, out=snakemake.output[0], pretrained=pretrained,
-           evaluated=evaluated, groups=snakemake.params.groups)
+           evaluated=evaluated, groups=snakemake.params.groups, db=(inputs.eval_db or [None])[0])

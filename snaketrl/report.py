@@ -191,6 +191,18 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_pro
     return {"leaderboard": leaderboard.to_html(board, best), "png": data_uri(buf.getvalue()), "side": side}
 
 
+def db_summary(db) -> dict | None:
+    """Where the completions are kept, and how many rows each table holds."""
+    if not db:
+        return None
+    import sqlite3
+
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        tables = [name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        counts = {t: con.execute(f'SELECT COUNT(*) FROM "{t}"').fetchone()[0] for t in tables}
+    return {"path": str(db), "counts": counts}
+
+
 def _text(prompt) -> str:
     if isinstance(prompt, list):
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
@@ -198,7 +210,7 @@ def _text(prompt) -> str:
 
 
 def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: dict[str, dict] | None = None,
-           evaluated: dict[str, dict] | None = None, groups: dict[str, str] | None = None) -> str:
+           evaluated: dict[str, dict] | None = None, groups: dict[str, str] | None = None, db=None) -> str:
     import jinja2
 
     from snaketrl.io import atomic
@@ -223,7 +235,7 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: di
     html = env.get_template("report.html.j2").render(
         table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
         sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}),
-        evaluation=evaluation_section(evaluated or {}, groups or {}))
+        evaluation=evaluation_section(evaluated or {}, groups or {}), db=db_summary(db))
     with atomic(out) as tmp:
         tmp.write_text(html, encoding="utf-8")
     return html
