@@ -19,7 +19,8 @@ def test_default_expands_to_trainer_by_model_matrix(config):
     assert dpo["args"] == {**config["training"], "beta": 0.1}
     assert dpo["lora"] == {**config["lora"], "target_modules": ["q_proj", "k_proj", "v_proj"]}
     assert dpo["model_entry"] == config["models"]["qwen2-tiny"] and dpo["seed"] == config["seed"]
-    assert runs["ppo-qwen2-tiny"]["dataset"] == "tldr"
+    assert runs["ppo-qwen2-tiny"]["dataset"] == "descriptiveness"
+    assert runs["ppo-qwen2-tiny"]["policy"] == "sft-qwen2-tiny"
     assert runs["ppo-qwen2-tiny"]["reward_model"] == "reward-qwen2-tiny"
     assert "score" in runs["reward-qwen2-tiny"]["lora"]["modules_to_save"]
 
