@@ -17,6 +17,7 @@ import yaml
 
 from snaketrl import paths
 from snaketrl.config import check, validate
+from snaketrl.evaluation_config import check_evaluation, eval_job_inputs, eval_targets
 from snaketrl.trainers import REGISTRY
 from test_workflow import env
 
@@ -33,13 +34,28 @@ def resolved(cfg):
     return cfg, check(cfg)
 
 
-def primary_outputs(runs):
-    """One output file per job -> the job, as (rule, *wildcards)."""
-    out = {paths.report(): ("report",)}
+def evaluation(cfg, runs):
+    ev = check_evaluation(cfg.get("evaluation"), runs, cfg["datasets"])
+    return ev, (eval_targets(ev, runs) if ev else {})
+
+
+def primary_outputs(runs, cfg):
+    """Output files -> the job that writes them, as (rule, *wildcards)."""
+    out = {paths.report(): ("report",), paths.evaluation_db(): ("collect_evaluation",)}
+    ev, targets = evaluation(cfg, runs)
+    for kind in ("prompts", "references", "pairs"):
+        if ev and ev[kind]:
+            d, t = ev[kind]["dataset"], ev[kind]["trainer"]
+            out[paths.prepared(d, t, ev[kind]["split"])] = ("preprocess", d, t)
+    for name in targets:
+        out[paths.evaluation(name, "metrics.json")] = ("evaluate", name)
+        out[paths.evaluation(name, "completions.jsonl")] = ("evaluate", name)
     for name, run in runs.items():
         t, d, m = run["trainer"], run["dataset"], run["model"]
         out[paths.raw(d, "train")] = ("get_dataset", d)
         out[paths.prepared(d, t, "train")] = ("preprocess", d, t)
+        out[paths.prepared(d, t, "eval")] = ("preprocess", d, t)
+        out[paths.adapter(name)] = ("train", name)
         out[paths.model_init(m)] = ("tiny_model", m)
         out[paths.model(m)] = ("pretrain", m)
         out[paths.lengths(t, d, m)] = ("length_histogram", t, d, m)
@@ -51,12 +67,25 @@ def primary_outputs(runs):
     return out
 
 
-def dag_edges(runs):
+def dag_edges(runs, cfg):
     """job -> jobs that read its output."""
     edges = {}
 
     def edge(a, b):
         edges.setdefault(a, set()).add(b)
+
+    ev, targets = evaluation(cfg, runs)
+    writer = primary_outputs(runs, cfg)
+    for name, run in runs.items():
+        edge(("train", name), ("collect_evaluation",))  # its training-time samples
+    for name in targets:
+        inputs = eval_job_inputs(name, ev, runs)
+        for path in [p for v in inputs.values() for p in (v if isinstance(v, list) else [v])]:
+            edge(writer[path] if path in writer else ("merge", path.split("/")[-2]), ("evaluate", name))
+        edge(("evaluate", name), ("report",))
+        edge(("evaluate", name), ("collect_evaluation",))
+    if targets:
+        edge(("collect_evaluation",), ("report",))
 
     for name, run in runs.items():
         t, d, m = run["trainer"], run["dataset"], run["model"]
@@ -108,7 +137,7 @@ def scheduled(workdir, cfg, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(io.StringIO(proc.stdout[proc.stdout.index("output_file"):]), delimiter="\t"))
     assert rows, proc.stdout[-2000:]
-    jobs = primary_outputs(resolved(cfg)[1])
+    jobs = primary_outputs(resolved(cfg)[1], cfg)
     return {jobs[row["output_file"]] for row in rows if row["plan"] == "update pending" and row["output_file"] in jobs}
 
 
@@ -141,6 +170,8 @@ EDITS = {
                                                       for r in runs_where(runs, dataset="tldr")}),
     "one model's pretraining": (lambda c: _set(c, "models.qwen2-tiny.tiny.pretrain.steps", 40),
                                 lambda runs, c: {("pretrain", "qwen2-tiny")}),
+    "evaluation settings": (lambda c: _set(c, "evaluation.generation.max_new_tokens", 16),
+                            lambda runs, c: {("evaluate", n) for n in evaluation(c, runs)[1]}),
     "length.keep_share": (lambda c: _set(c, "length.keep_share", 0.95),
                           lambda runs, c: {("length_histogram", r["trainer"], r["dataset"], r["model"])
                                            for r in runs.values()}),
@@ -159,7 +190,7 @@ def test_an_edit_schedules_exactly_the_jobs_that_depend_on_it(edit, workflow_run
     _, runs = resolved(cfg)
     roots = touched(runs, cfg)
     assert roots, edit
-    expected = downstream(roots, dag_edges(runs))
+    expected = downstream(roots, dag_edges(runs, cfg))
     expected = {job for job in expected if job[0] != "merge" or job[1] in
                 {r["policy"] for r in runs.values()} | {r["reward_model"] for r in runs.values()}}
     got = scheduled(workflow_run, cfg, tmp_path)
@@ -194,4 +225,5 @@ def test_a_new_run_schedules_only_its_own_jobs_and_the_report(workflow_run, tmp_
     got = scheduled(workflow_run, cfg, tmp_path)
     assert got == {("get_dataset", "arithmetic"), ("preprocess", "arithmetic", "sft"),
                    ("length_histogram", "sft", "arithmetic", "qwen2-tiny"), ("train", "sft-arith-qwen2-tiny"),
-                   ("plot_run", "sft-arith-qwen2-tiny"), ("report",)}
+                   ("plot_run", "sft-arith-qwen2-tiny"), ("evaluate", "sft-arith-qwen2-tiny"),
+                   ("collect_evaluation",), ("report",)}
