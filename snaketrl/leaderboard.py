@@ -35,7 +35,8 @@ def columns(metrics: dict) -> list[tuple[str, tuple, bool | None]]:
     cols += FIXED
     for task, values in sorted((metrics.get("lm_eval") or {}).items()):
         for key in sorted(values) if isinstance(values, dict) else []:
-            if "stderr" not in key and isinstance(values[key], (int, float)):
+            # lm-eval names metrics "metric,filter"; other keys (sample_len, alias) are not scores.
+            if "," in key and "stderr" not in key and isinstance(values[key], (int, float)):
                 cols.append((f"{task} {key}", ("lm_eval", task, key), True))
     return cols
 
@@ -82,7 +83,7 @@ def to_html(board: dict, best: dict) -> str:
     """mean ± std cells; the best per column in bold, marked ≈ when its lead over the runner-up is smaller
     than their seed spread."""
     mean, std, info = board["mean"], board["std"], board["info"]
-    out = pd.DataFrame(index=mean.index)
+    out = pd.DataFrame(index=list(mean.index))
     out["trainer"], out["model"], out["seeds"] = info["trainer"], info["model"], info["seeds"]
     for col in mean.columns:
         cells = []

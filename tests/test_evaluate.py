@@ -494,6 +494,6 @@ def test_eval_job_inputs_name_the_workflow_files(datasets):
         "model": paths.merged("sft-qwen2-tiny"), "adapter": paths.adapter("ppo-qwen2-tiny"),
         "prompts": paths.prepared("tldr", "grpo", "eval"), "pairs": paths.prepared("descriptiveness", "dpo", "eval"),
         "reward_models": [paths.merged("reward-pythia-tiny")],
-        "reference": paths.evaluation("sft-qwen2-tiny", "completions.jsonl")}
+        "reference": paths.evaluation("base-qwen2-tiny", "completions.jsonl")}  # one yardstick: the base
     assert eval_job_inputs("base-qwen2-tiny", ev, _runs())["model"] == paths.model("qwen2-tiny")
     assert "reference" not in eval_job_inputs("base-qwen2-tiny", ev, _runs())

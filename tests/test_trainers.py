@@ -47,6 +47,7 @@ def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
     config["training"].update(FAST)
     config["trainers"].setdefault(trainer, {"dataset": dataset})
     config["trainers"][trainer]["args"] = PER_TRAINER.get(trainer, {})
+    config["trainers"][trainer]["policy"] = None  # these tests start every trainer from the tiny base
     config["trainers"][trainer].update(run_extra)
     # The reward run is there for PPO's reward_model reference; the tests pass its merged model directly.
     config["runs"] = {f"t-{trainer}": {"trainer": trainer, "model": "qwen2-tiny", "dataset": dataset},
