@@ -129,3 +129,9 @@ def report_runs():
 def per_attempt(base):
     """A resource (mem_mb, runtime) that grows with each retry: attempt 1, 2, ..."""
     return lambda wildcards, attempt: base * attempt
+
+
+def eval_settings():
+    """What decides an eval job's output: the evaluation section without its list of runs, so that adding
+    a run does not rerun every other run's evaluation."""
+    return canonical({k: v for k, v in EVAL.items() if k != "runs"}) if EVAL else None

@@ -20,7 +20,7 @@ rule evaluate:
         runtime=per_attempt(60),
     params:
         target=lambda wc: EVAL_TARGETS[wc.evaluated],
-        settings=canonical(EVAL) if EVAL else None,
+        settings=eval_settings(),
     script:
         "../scripts/evaluate_run.py"
 

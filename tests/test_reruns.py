@@ -76,6 +76,9 @@ def dag_edges(runs, cfg):
 
     ev, targets = evaluation(cfg, runs)
     writer = primary_outputs(runs, cfg)
+    for kind in ("prompts", "references", "pairs"):
+        if ev and ev[kind]:
+            edge(("get_dataset", ev[kind]["dataset"]), ("preprocess", ev[kind]["dataset"], ev[kind]["trainer"]))
     for name, run in runs.items():
         edge(("train", name), ("collect_evaluation",))  # its training-time samples
     for name in targets:
