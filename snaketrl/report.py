@@ -56,6 +56,16 @@ def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
 
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def overlay_png(trainer: str, states: dict[str, dict]) -> bytes:
     """The trainer's overlay metric (train and eval) for each of its runs, on one axes, labelled by run."""
     import matplotlib
@@ -74,11 +84,7 @@ def overlay_png(trainer: str, states: dict[str, dict]) -> bytes:
     ax.set_title(f"{trainer}: {key} across runs", fontsize=10)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def load_runs(files: dict[str, dict]) -> dict[str, dict]:
@@ -133,13 +139,10 @@ def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
     ax.set_xlabel("step")
     ax.set_title("pretraining loss", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
+    png = _png(fig)
     table = pd.DataFrame(rows).set_index("model")
     return {"table": table.to_html(float_format=lambda v: f"{v:.4g}", classes="summary"),
-            "png": data_uri(buf.getvalue())}
+            "png": data_uri(png)}
 
 
 def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_prompts: int = 4) -> dict | None:
@@ -171,10 +174,7 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_pro
                   ha="right", fontsize=7)
     ax.set_title("mean reward-model score per run (error bars: seeds, or prompts for one seed)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
+    png = _png(fig)
 
     side = []
     completions = {job: read_jsonl(f["completions"]) for job, f in evaluated.items()}
@@ -188,7 +188,7 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_pro
         rows = [{"prompt": _text(completions[next(iter(jobs.values()))][i]["prompt"]),
                  **{g: completions[j][i]["completion"] for g, j in jobs.items()}} for i in range(n)]
         side.append({"model": model, "table": pd.DataFrame(rows).to_html(index=False, classes="summary side")})
-    return {"leaderboard": leaderboard.to_html(board, best), "png": data_uri(buf.getvalue()), "side": side}
+    return {"leaderboard": leaderboard.to_html(board, best), "png": data_uri(png), "side": side}
 
 
 def db_summary(db) -> dict | None:

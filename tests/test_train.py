@@ -80,16 +80,7 @@ def test_same_seed_gives_identical_losses_and_full_outputs(sft_inputs, tmp_path)
 
 
 def test_interrupted_run_resumes_from_last_checkpoint(sft_inputs, tmp_path):
-    from transformers import TrainerCallback
-
-    class Crash(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 4:
-                raise KeyboardInterrupt("simulated preemption")
-
-    with pytest.raises(KeyboardInterrupt):
-        train_run(**sft_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", callbacks=[Crash()])
-    assert (tmp_path / "ckpt" / "checkpoint-3").is_dir()
+    _interrupt_at_step_4(sft_inputs, tmp_path)
     assert not (tmp_path / "out" / "trainer_state.json").exists()
 
     train_run(**sft_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt")
