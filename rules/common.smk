@@ -1,7 +1,7 @@
 import re
 
 from snaketrl import paths
-from snaketrl.config import canonical, local_files
+from snaketrl.config import canonical, corpus_files, local_files
 from snaketrl.evaluation_config import eval_job_inputs
 from snaketrl.trainers import REGISTRY
 

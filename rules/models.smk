@@ -5,7 +5,7 @@ localrules:
 # A tokenizer trained on the model's corpus and random weights: what pretraining starts from.
 rule tiny_model:
     input:
-        corpus=lambda wc: config["models"][wc.model]["tiny"]["corpus"],
+        corpus=lambda wc: corpus_files(config, wc.model),
     output:
         directory(paths.model_init("{model}")),
     log:
@@ -22,7 +22,7 @@ rule tiny_model:
 rule pretrain:
     input:
         init=paths.model_init("{model}"),
-        corpus=lambda wc: config["models"][wc.model]["tiny"]["corpus"],
+        corpus=lambda wc: corpus_files(config, wc.model),
     output:
         model=directory(paths.model("{model}")),
         state=paths.pretrain_file("{model}", "trainer_state.json"),

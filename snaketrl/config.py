@@ -163,9 +163,26 @@ def _check_local_files(config: dict, runs: dict) -> None:
             if not Path(path).is_file():
                 raise ConfigError(f"config: datasets.{name}.files: {split} file {path} does not exist")
     for name in sorted(used_models):
-        for path in config["models"][name].get("tiny", {}).get("corpus", []):
-            if not Path(path).is_file():
-                raise ConfigError(f"config: models.{name}.tiny.corpus: file {path} does not exist")
+        if "tiny" in config["models"][name]:
+            corpus_files(config, name)
+
+
+def corpus_files(config: dict, model: str) -> list[str]:
+    """The files a tiny model's tokenizer and pretraining read. A corpus entry that names a dataset of the
+    config stands for its train split as fetched: its eval rows (the evaluation's prompts and references)
+    never reach pretraining. Any other entry is a local .jsonl/.txt file."""
+    from snaketrl import paths
+
+    out = []
+    for item in config["models"][model]["tiny"]["corpus"]:
+        if item in config["datasets"]:
+            out.append(paths.raw(item, "train"))
+        elif Path(item).is_file():
+            out.append(item)
+        else:
+            raise ConfigError(f"config: models.{model}.tiny.corpus: '{item}' is neither a dataset of this config "
+                              f"({', '.join(sorted(config['datasets']))}) nor an existing .jsonl/.txt file")
+    return out
 
 
 def local_files(entry: dict) -> dict[str, str]:

@@ -37,6 +37,20 @@ def keyword(completions, words=("feel",), **_) -> list[float]:
     return [sum(w in _text(c) for w in words) / len(words) for c in completions]
 
 
+WORD = re.compile(r"[^\W_]+", re.UNICODE)
+
+
+def prompt_overlap(completions, prompts, **_) -> list[float]:
+    """Share of the completion's words that occur in its prompt (case-insensitive): a summary that
+    restates the post's facts (who, what, how they feel) scores 1, invented details less, no words 0."""
+    out = []
+    for completion, prompt in zip(completions, prompts):
+        words = WORD.findall(_text(completion).lower())
+        seen = set(WORD.findall(_text(prompt).lower()))
+        out.append(sum(w in seen for w in words) / len(words) if words else 0.0)
+    return out
+
+
 FINAL_NUMBER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
@@ -55,7 +69,8 @@ def accuracy(completions, answer, **_) -> list[float]:
     return out
 
 
-BUILTINS = {"unique_chars": unique_chars, "format": format_match, "keyword": keyword, "accuracy": accuracy}
+BUILTINS = {"unique_chars": unique_chars, "format": format_match, "keyword": keyword, "accuracy": accuracy,
+            "prompt_overlap": prompt_overlap}
 
 
 def resolve_name(name: str):

@@ -53,16 +53,19 @@ ZH_WORDS = ["你好", "谢谢", "春天", "月亮", "大海", "朋友"]
 
 
 def tldr(n: int, rng: random.Random) -> list[dict]:
-    """trl-lib/tldr: prompt/completion strings; the summary restates the post's key facts."""
+    """trl-lib/tldr: prompt/completion strings; the summary restates the post's key facts. Two in
+    three summaries leave out how the poster feels: a reward for complete summaries (`keyword`
+    "feel") has room to climb from a policy that imitates them (GRPO's default)."""
     rows = []
     for _ in range(n):
         name, rel, obj, verb, feel = (rng.choice(x) for x in (NAMES, RELATIONS, OBJECTS, VERBS, FEELINGS))
         filler = " ".join(rng.sample(FILLER, k=rng.randint(1, 4)))
         post = f"My {rel} {name} {verb} my {obj}. {filler} Now I feel {feel} and I do not know what to do."
         title = f"My {rel} {verb} my {obj}, what now?"
+        summary = f" {name} {verb} my {obj} and I feel {feel}." if rng.random() < 1 / 3 else f" {name} {verb} my {obj}."
         rows.append({
             "prompt": f"SUBREDDIT: r/{rng.choice(SUBREDDITS)}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:",
-            "completion": f" {name} {verb} my {obj} and I feel {feel}.",
+            "completion": summary,
         })
     return rows
 

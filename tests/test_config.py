@@ -16,7 +16,7 @@ def test_default_expands_to_trainer_by_model_matrix(config):
     assert (dpo["name"], dpo["trainer"], dpo["model"], dpo["dataset"]) == ("dpo-qwen2-tiny", "dpo", "qwen2-tiny",
                                                                           "ultrafeedback")
     # Resolved: shared training < trainer args; LoRA defaults < the model's; the entries it reads.
-    assert dpo["args"] == {**config["training"], "beta": 0.1}
+    assert dpo["args"] == {**config["training"], "beta": 0.1, "eval_on_start": True}
     assert dpo["lora"] == {**config["lora"], "target_modules": ["q_proj", "k_proj", "v_proj"]}
     assert dpo["model_entry"] == config["models"]["qwen2-tiny"] and dpo["seed"] == config["seed"]
     assert runs["ppo-qwen2-tiny"]["dataset"] == "descriptiveness"
@@ -149,7 +149,7 @@ def test_ppo_reward_model_must_be_a_reward_run(config):
 def test_ppo_runs_point_at_their_models_reward_run(config):
     runs = check(config)
     assert runs["ppo-pythia-tiny"]["reward_model"] == "reward-pythia-tiny"
-    assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["unique_chars", "format"]
+    assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["keyword", "prompt_overlap", "format"]
 
 
 def test_tokens_in_config_are_refused(config):

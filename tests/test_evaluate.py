@@ -365,7 +365,7 @@ def test_collect_builds_one_database(eval_jobs, tmp_path):
      "list it under evaluation.reward_models to judge with it"),
     ({"prompts": "tldr", "reward_funcs": ["nope"]},
      "config: evaluation.reward_funcs: unknown reward function 'nope'; expected one of ['accuracy', 'format', "
-     "'keyword', 'unique_chars'] or 'package.module:function'"),
+     "'keyword', 'prompt_overlap', 'unique_chars'] or 'package.module:function'"),
     ({"lm_eval": {"tasks": ["snaketrl_arithmetc"]}},
      None),  # message depends on whether lm-eval is installed: checked below
     ({"reward_funcs": ["format"]},

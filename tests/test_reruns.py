@@ -50,6 +50,8 @@ def primary_outputs(runs, cfg):
     for name in targets:
         out[paths.evaluation(name, "metrics.json")] = ("evaluate", name)
         out[paths.evaluation(name, "completions.jsonl")] = ("evaluate", name)
+    for m, d in corpus_datasets(runs, cfg):
+        out[paths.raw(d, "train")] = ("get_dataset", d)
     for name, run in runs.items():
         t, d, m = run["trainer"], run["dataset"], run["model"]
         out[paths.raw(d, "train")] = ("get_dataset", d)
@@ -67,12 +69,22 @@ def primary_outputs(runs, cfg):
     return out
 
 
+def corpus_datasets(runs, cfg):
+    """(model, dataset) where a tiny model's corpus names a dataset: its train split as fetched."""
+    return {(m, d) for m in {r["model"] for r in runs.values()}
+            for d in cfg["models"][m].get("tiny", {}).get("corpus", []) if d in cfg["datasets"]}
+
+
 def dag_edges(runs, cfg):
     """job -> jobs that read its output."""
     edges = {}
 
     def edge(a, b):
         edges.setdefault(a, set()).add(b)
+
+    for m, d in corpus_datasets(runs, cfg):
+        edge(("get_dataset", d), ("tiny_model", m))
+        edge(("get_dataset", d), ("pretrain", m))
 
     ev, targets = evaluation(cfg, runs)
     writer = primary_outputs(runs, cfg)
@@ -180,6 +192,7 @@ EDITS = {
                                            for r in runs.values()}),
     "seed": (lambda c: _set(c, "seed", 7),
              lambda runs, c: {("get_dataset", r["dataset"]) for r in runs.values()}
+             | {("get_dataset", d) for _, d in corpus_datasets(runs, c)}
              | {("tiny_model", r["model"]) for r in runs.values()}),
 }
 

@@ -1,7 +1,7 @@
 import pytest
 
 from snaketrl.config import ConfigError
-from snaketrl.rewards import accuracy, format_match, keyword, resolve, unique_chars
+from snaketrl.rewards import accuracy, format_match, keyword, prompt_overlap, resolve, unique_chars
 
 
 def test_builtins_score_each_completion():
@@ -9,6 +9,9 @@ def test_builtins_score_each_completion():
     assert unique_chars([[{"role": "assistant", "content": "xyz"}]]) == [3.0]
     assert format_match([" Sam sold my car.", "no end", "Two. Sentences here"]) == [1.0, 0.0, 0.0]
     assert keyword(["I feel fine", "nothing"], words=["feel", "fine"]) == [1.0, 0.0]
+    post = "POST: My friend Sam sold my car. Now I feel sad.\n\nTL;DR:"
+    assert prompt_overlap([" Sam sold my car.", " Alex sold my bike.", "", "!"], prompts=[post] * 4) == [
+        1.0, 0.5, 0.0, 0.0]
 
 
 def test_accuracy_compares_final_numbers():

@@ -131,7 +131,8 @@ def test_dry_run_never_imports_torch_transformers_or_trl(tmp_path):
     (lambda c: c["datasets"]["tldr"].update(files="data/samples/missing.jsonl"),
      "snaketrl: config: datasets.tldr.files: train file data/samples/missing.jsonl does not exist"),
     (lambda c: c["models"]["qwen2-tiny"]["tiny"].update(corpus=["data/nope.txt"]),
-     "snaketrl: config: models.qwen2-tiny.tiny.corpus: file data/nope.txt does not exist"),
+     "snaketrl: config: models.qwen2-tiny.tiny.corpus: 'data/nope.txt' is neither a dataset of this config "
+     "(arithmetic, descriptiveness, firefly, tldr, ultrafeedback) nor an existing .jsonl/.txt file"),
     (lambda c: c["trainers"]["grpo"]["args"].update(num_generations=3),
      "generation batch 8 (per_device_train_batch_size x steps_per_generation) is not divisible by num_generations=3"),
 ])
