@@ -1,6 +1,6 @@
 import re
 
-from snaketrl import paths
+from snaketrl import distributed, paths
 from snaketrl.config import canonical, corpus_files, local_files
 from snaketrl.evaluation_config import eval_job_inputs
 from snaketrl.trainers import REGISTRY
@@ -31,14 +31,19 @@ def base_of(run):
 
 
 def run_inputs(wildcards):
-    """A run's model, data, lengths and reward model."""
+    """A run's model, data, lengths, reward model, and the accelerate config a multi-GPU job launches with."""
     run = run_of(wildcards)
     t, d, m = run["trainer"], run["dataset"], run["model"]
     if REGISTRY[t].tokenized:  # token ids depend on the model's tokenizer
         data = {s: paths.tokenized(d, t, m, s) for s in ("train", "eval")}
     else:
         data = {s: paths.prepared(d, t, s) for s in ("train", "eval")}
-    inputs = {"model": base_of(run), **data, "lengths": paths.lengths(t, d, m)}
+    inputs = {
+        "model": base_of(run),
+        **data,
+        "lengths": paths.lengths(t, d, m),
+        "accelerate": distributed.config_file(run["distributed"]),
+    }
     if run["reward_model"]:
         inputs["reward_model"] = paths.merged(run["reward_model"])
     return inputs

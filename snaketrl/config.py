@@ -9,6 +9,7 @@ import copy
 import re
 from pathlib import Path
 
+from snaketrl import distributed
 from snaketrl.errors import ConfigError
 from snaketrl.rewards import BUILTINS
 from snaketrl.trainers import REGISTRY
@@ -64,7 +65,7 @@ def expand_runs(config: dict) -> dict[str, dict]:
     return runs
 
 
-INHERITED = ("dataset", "reward_funcs", "reward_model", "policy")
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed")
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
 # still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
@@ -121,6 +122,7 @@ def check(config: dict) -> dict[str, dict]:
                 raise ConfigError(f"config: {where}.{key}: unknown {key} '{run[key]}'; "
                                   f"expected one of {sorted(config[pool])}")
         _check_run_rewards(config, runs, name, run, where)
+        distributed.check(config, name, run, where)
         for key in trl_args(config, run):
             if key.endswith("_token") and key.startswith(("hub", "push_to_hub")):  # a secret would reach manifests
                 raise ConfigError(f"config: {where}: '{key}': secrets do not belong in config; set HF_TOKEN "
@@ -216,6 +218,7 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         "model_entry": config["models"][run["model"]], "dataset_entry": config["datasets"][run["dataset"]],
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
         "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
+        "distributed": run.get("distributed", distributed.DEFAULT),
     })
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from snaketrl.errors import ConfigError
 from snaketrl.data import read_jsonl
+from snaketrl.distributed import SHARDED
 from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
 
 log = logging.getLogger("snaketrl.train")
@@ -66,28 +67,41 @@ def check_lora_targets(model, targets, model_name: str) -> None:
                           f"({type(model).__name__}); its weight modules are {linear}")
 
 
-def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: str = "CAUSAL_LM", **kwargs):
+def weight_dtype(bf16: bool) -> str:
+    """The dtype a model's weights load in: bf16 on a bf16 GPU (TRL's config trains in it), else fp32."""
+    return "bfloat16" if bf16 else "float32"
+
+
+def quantization_config(quant: str, bf16: bool):
+    """bitsandbytes settings of a QLoRA load (via TRL's own builder). 4-bit weights are stored in the dtype
+    the rest of the model loads in: FSDP and ZeRO-3 shard only floating-point tensors of one dtype (peft's
+    "QLoRA and FSDP" / "QLoRA and DeepSpeed ZeRO3" guides: bnb_4bit_quant_storage = the model's dtype; fp32
+    under fp16 compute). Storage only packs the 4-bit codes, so a single GPU is indifferent to it."""
+    from trl import ModelConfig, get_quantization_config
+
+    return get_quantization_config(ModelConfig(
+        load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit", dtype="bfloat16" if bf16 else "float16",
+        bnb_4bit_quant_type="nf4", use_bnb_nested_quant=True, bnb_4bit_quant_storage=weight_dtype(bf16)))
+
+
+def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: str = "CAUSAL_LM",
+               sharded: bool = False, **kwargs):
+    """`sharded`: FSDP or ZeRO-3 will shard the model across processes."""
     import torch
     import transformers
 
     quant = entry.get("quantization")
-    qconfig = None
-    if quant:
-        if not torch.cuda.is_available():
-            raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "
-                              f"needs a CUDA GPU; none is visible")
-        from trl import ModelConfig, get_quantization_config
-
-        dtype = "bfloat16" if bf16 else "float16"
-        qconfig = get_quantization_config(ModelConfig(
-            load_in_4bit=quant == "4bit", load_in_8bit=quant == "8bit", dtype=dtype, bnb_4bit_quant_type="nf4",
-            use_bnb_nested_quant=True, bnb_4bit_quant_storage=dtype))
+    if quant and not torch.cuda.is_available():
+        raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "
+                          f"needs a CUDA GPU; none is visible")
     if task_type == "SEQ_CLS":
         kwargs.setdefault("num_labels", 1)
     model = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(
-        model_dir, quantization_config=qconfig, dtype=torch.bfloat16 if bf16 else torch.float32,
-        trust_remote_code=entry.get("trust_remote_code", False), **kwargs)
-    if quant:
+        model_dir, quantization_config=quantization_config(quant, bf16) if quant else None,
+        dtype=getattr(torch, weight_dtype(bf16)), trust_remote_code=entry.get("trust_remote_code", False), **kwargs)
+    # Its fp32 upcast of norms and embeddings would leave FSDP/ZeRO-3 tensors of two dtypes to shard
+    # together; sharded QLoRA goes without it, as TRL's prepare_peft_model does.
+    if quant and not sharded:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -191,7 +205,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     set_seed(run["seed"])
     entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
-    model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type)
+    sharded = run["distributed"] in SHARDED and args.world_size > 1  # launched: one process per GPU
+    model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
     peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
@@ -264,13 +279,6 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
     with atomic(out_dir, directory=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-
-
-def launch_command(gpus: int, job_file) -> list[str]:
-    """One process per GPU on this node (`accelerate launch`), each running train_run from a JSON job file."""
-    return ["accelerate", "launch", "--multi_gpu", f"--num_processes={gpus}", "--num_machines=1",
-            "--mixed_precision=no",  # TRL's config decides bf16 from the hardware
-            "-m", "snaketrl.train", str(job_file)]
 
 
 def launch_env(environ=None) -> dict:

@@ -1,4 +1,5 @@
-"""The seed matrix offline, the SLURM profile, and multi-GPU launching (the SLURM run itself is in .ci/slurm.sh)."""
+"""The seed matrix offline, the SLURM profile, and the launched processes' entry point (the SLURM run itself is in
+.ci/slurm.sh; multi-GPU launching in test_distributed.py)."""
 
 import subprocess
 import sys
@@ -6,7 +7,6 @@ import sys
 import yaml
 
 from conftest import ROOT
-from snaketrl.train import launch_command
 from test_workflow import copy_project, env
 
 NO_NETWORK = '''
@@ -66,12 +66,6 @@ def test_ci_profile_is_derived_from_the_slurm_profile(tmp_path):
     assert derived["slurm-status-command"] == "squeue" and derived["slurm-no-account"] is True
     assert "gpu" not in derived["set-resources"]["train"]
     assert derived["retries"] >= 1 and derived["executor"] == "slurm"
-
-
-def test_multi_gpu_jobs_launch_one_process_per_gpu(tmp_path):
-    cmd = launch_command(4, tmp_path / "job.json")
-    assert cmd[:3] == ["accelerate", "launch", "--multi_gpu"]
-    assert "--num_processes=4" in cmd and cmd[-3:] == ["-m", "snaketrl.train", str(tmp_path / "job.json")]
 
 
 def test_train_module_entry_point_reads_a_job_file(tmp_path, monkeypatch):

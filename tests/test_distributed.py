@@ -1,0 +1,220 @@
+"""Multi-GPU modes (ddp, fsdp, zero2, zero3): what `accelerate launch` makes of each launch command and shipped
+config, the process count from a job's resources, the parse-time errors, and the train script's wiring. No GPU
+here, and no deepspeed: nothing below launches a process or needs either."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from snaketrl import distributed
+from snaketrl.config import check, validate
+from snaketrl.errors import ConfigError
+
+SCHEMA = str(ROOT / "config/schema.yaml")
+
+
+def launched(mode, gpus=4):
+    """accelerate's own reading of our launch command: its parsed arguments and its processes' environment."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    cmd = distributed.launch_command(gpus, "job.json", distributed.config_file(mode))
+    assert cmd[:2] == ["accelerate", "launch"]
+    args, defaults, mp_from_file = _validate_launch_command(launch_command_parser().parse_args(cmd[2:]))
+    if args.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(
+            [*defaults.deepspeed_config, *(["mixed_precision"] if mp_from_file else [])])
+        return args, prepare_deepspeed_cmd_env(args)[1]
+    return args, prepare_multi_gpu_env(args)
+
+
+def test_every_mode_has_a_shipped_config_that_leaves_the_process_count_to_the_job():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    schema = yaml.safe_load(open(SCHEMA))
+    assert schema["$defs"]["distributed"]["enum"] == list(distributed.MODES)
+    for mode in distributed.MODES:
+        cfg = ClusterConfig.from_yaml_file(ROOT / distributed.config_file(mode))  # refuses unknown keys
+        assert cfg.num_processes == -1, mode  # not in the file: --num_processes from the job's GPUs
+        assert cfg.mixed_precision == "no", mode  # TRL's config turns bf16 on from the hardware
+    assert sorted(p.stem for p in (ROOT / distributed.CONFIG_DIR).glob("*.yaml")) == sorted(distributed.MODES)
+
+
+@pytest.mark.parametrize("mode", distributed.MODES)
+def test_launch_command_runs_snaketrl_train_once_per_gpu_in_the_mode(mode):
+    args, env = launched(mode, gpus=4)
+    assert (args.num_processes, args.num_machines) == (4, 1)
+    assert (args.module, args.training_script, args.training_script_args) == (True, "snaketrl.train", ["job.json"])
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"
+    kinds = {"ddp": (True, False, False), "fsdp": (False, True, False), "zero2": (False, False, True),
+             "zero3": (False, False, True)}
+    assert (args.multi_gpu, args.use_fsdp, args.use_deepspeed) == kinds[mode]
+
+
+def test_fsdp_config_follows_peft_qlora_rules():
+    _, env = launched("fsdp")
+    # peft "Use PEFT QLoRA and FSDP": use_orig_params off, RAM-efficient loading (rank 0 reads, others sync).
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "1"
+    assert env["FSDP_USE_ORIG_PARAMS"] == "false"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true" and env["FSDP_SYNC_MODULE_STATES"] == "true"
+    assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"  # the Trainer swaps in peft's for LoRA
+    assert env["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"  # a plain adapter for the merge job
+    assert env["FSDP_ACTIVATION_CHECKPOINTING"] == "false"  # TRL's activation_checkpointing decides
+
+
+@pytest.mark.parametrize("mode,stage,init", [("zero2", "2", "false"), ("zero3", "3", "true")])
+def test_deepspeed_configs_set_the_zero_stage(mode, stage, init):
+    _, env = launched(mode)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == stage
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == init  # peft's ZeRO-3 (+QLoRA) guide: on
+    assert env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] == "none"
+    assert env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL") == ("true" if mode == "zero3" else None)
+    # Batch size and gradient accumulation stay "auto": TRL's config fills them.
+    assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
+
+
+@pytest.mark.parametrize("resources,gpus", [
+    ({"gpu": 4}, 4), ({"gres": "gpu:a100:4"}, 4), ({"gres": "gpu:2"}, 2), ({"gres": "tmpdisk:100,gpu:h100:8"}, 8),
+    ({"gpu": 0, "gres": ""}, 0), ({}, 0), ({"gres": "tmpdisk:100"}, 0), ({"gpu": 1}, 1)])
+def test_the_process_count_is_the_jobs_gpu_or_gres_count(resources, gpus):
+    assert distributed.job_gpus(resources) == gpus
+
+
+def _revalidated(config):
+    validate(config, SCHEMA)
+    return check(config)
+
+
+def test_a_run_inherits_its_trainers_mode_and_may_override_it(config):
+    config["trainers"]["sft"]["distributed"] = "fsdp"
+    config["runs"]["sft-pythia-tiny"] = {"distributed": "zero3"}
+    runs = _revalidated(config)
+    assert runs["sft-qwen2-tiny"]["distributed"] == "fsdp"
+    assert runs["sft-pythia-tiny"]["distributed"] == "zero3"
+    assert runs["dpo-qwen2-tiny"]["distributed"] == "ddp"  # the default: today's data parallel
+
+
+def test_unknown_mode_is_a_schema_error_naming_the_key(config):
+    config["runs"]["sft-qwen2-tiny"] = {"distributed": "deepspeed"}
+    with pytest.raises(ConfigError, match=r"^config: runs\.sft-qwen2-tiny\.distributed: 'deepspeed' is not one of "
+                                          r"\['ddp', 'fsdp', 'zero2', 'zero3'\]$"):
+        validate(config, SCHEMA)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero3"])
+def test_8bit_cannot_be_sharded(config, mode):
+    config["models"]["qwen2-tiny"]["quantization"] = "8bit"
+    config["trainers"]["sft"]["distributed"] = mode
+    with pytest.raises(ConfigError, match=rf"^config: trainers\.sft\.distributed: {mode} shards the base weights, "
+                                          r"and models\.qwen2-tiny is loaded in 8-bit .* use quantization: 4bit"):
+        _revalidated(config)
+
+
+def test_the_error_names_the_run_when_the_run_set_the_mode(config):
+    config["models"]["qwen2-tiny"]["quantization"] = "8bit"
+    config["runs"]["dpo-qwen2-tiny"] = {"distributed": "zero3"}
+    with pytest.raises(ConfigError, match=r"^config: runs\.dpo-qwen2-tiny\.distributed: zero3 shards"):
+        _revalidated(config)
+
+
+@pytest.mark.parametrize("quantization,mode", [("8bit", "ddp"), ("8bit", "zero2"), ("4bit", "fsdp"),
+                                               ("4bit", "zero3")])
+def test_quantization_and_modes_that_work_together(config, quantization, mode):
+    config["models"]["qwen2-tiny"]["quantization"] = quantization
+    config["trainers"]["sft"]["distributed"] = mode
+    assert _revalidated(config)["sft-qwen2-tiny"]["distributed"] == mode
+
+
+def test_a_missing_accelerate_config_is_a_parse_time_error(config, tmp_path, monkeypatch):
+    monkeypatch.setattr(distributed, "CONFIG_DIR", str(tmp_path))
+    config["runs"]["sft-qwen2-tiny"] = {"distributed": "fsdp"}
+    with pytest.raises(ConfigError, match=rf"^config: runs\.sft-qwen2-tiny\.distributed: fsdp launches with "
+                                          rf"{tmp_path}/fsdp\.yaml, which does not exist$"):
+        _revalidated(config)
+
+
+@pytest.mark.parametrize("bf16,storage,compute", [(True, "bfloat16", "bfloat16"), (False, "float32", "float16")])
+def test_4bit_weights_are_stored_in_the_dtype_the_model_loads_in(bf16, storage, compute):
+    """peft's FSDP/ZeRO-3 QLoRA rule (bnb_4bit_quant_storage = the model's dtype), by construction."""
+    import torch
+
+    from snaketrl.train import quantization_config, weight_dtype
+
+    q = quantization_config("4bit", bf16)
+    assert q.load_in_4bit and q.bnb_4bit_quant_storage == getattr(torch, weight_dtype(bf16)) == getattr(torch, storage)
+    assert q.bnb_4bit_compute_dtype == getattr(torch, compute)
+
+
+class Named(dict):
+    """Snakemake's input/resources: attributes and .get."""
+    __getattr__ = dict.__getitem__
+
+
+def run_train_script(tmp_path, run, resources, monkeypatch):
+    """scripts/train.py with a stand-in `snakemake` object; `accelerate launch` is recorded, not run."""
+    launches = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: launches.append(cmd))
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the script turns the Hub offline
+    smk = SimpleNamespace(
+        rule="train", log=[str(tmp_path / "train.log")], threads=8, resources=Named(resources),
+        params=Named(run=run, checkpoints=str(tmp_path / "ckpt")),
+        input=Named(model="m", train="t.jsonl", eval="e.jsonl", lengths="l.json",
+                    accelerate=distributed.config_file(run["distributed"])),
+        output=Named(adapter=str(tmp_path / "run" / "adapter")))
+    runpy.run_path(str(ROOT / "scripts/train.py"), init_globals={"snakemake": smk})
+    return launches
+
+
+def test_a_multi_gpu_job_launches_its_runs_mode(config, tmp_path, monkeypatch):
+    config["trainers"]["sft"]["distributed"] = "fsdp"
+    run = _revalidated(config)["sft-qwen2-tiny"]
+    [cmd] = run_train_script(tmp_path, run, {"gpu": 0, "gres": "gpu:a100:4"}, monkeypatch)
+    assert cmd[:4] == ["accelerate", "launch", "--config_file=config/accelerate/fsdp.yaml", "--num_processes=4"]
+    job = json.loads((tmp_path / "ckpt" / "launch_job.json").read_text())
+    assert cmd[-1] == str(tmp_path / "ckpt" / "launch_job.json")
+    assert job["run"] == run and job["out_dir"] == str(tmp_path / "run") and job["threads"] == 8
+
+
+def test_deepspeed_missing_fails_at_job_start_in_one_line(config, tmp_path, monkeypatch, capfd):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    config["runs"]["sft-qwen2-tiny"] = {"distributed": "zero3"}
+    run = _revalidated(config)["sft-qwen2-tiny"]
+    with pytest.raises(SystemExit) as exit_:
+        run_train_script(tmp_path, run, {"gpu": 4}, monkeypatch)
+    assert exit_.value.code == 1
+    assert capfd.readouterr().err == (
+        "snaketrl: error in rule train: config: run 'sft-qwen2-tiny': distributed: zero3 needs DeepSpeed, which is "
+        "not installed in this job's environment; run `pip install deepspeed` there, or use distributed: ddp or "
+        "fsdp\n")
+    assert not (tmp_path / "ckpt" / "launch_job.json").exists()  # nothing launched
+
+
+def test_the_train_job_reads_its_modes_accelerate_config(tmp_path):
+    """In the DAG: the mode's file is an input of the train job, so editing it reruns that job."""
+    from test_workflow import copy_project, env
+
+    wd = copy_project(tmp_path / "wf")
+    cfg = yaml.safe_load((wd / "config/config.yaml").read_text())
+    cfg["trainers"]["sft"]["distributed"] = "zero3"
+    (wd / "edited.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "results/runs/sft-qwen2-tiny/adapter",
+                           "results/runs/dpo-qwen2-tiny/adapter", "--configfile", "edited.yaml"],
+                          cwd=wd, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    inputs = {}
+    for block in proc.stdout.split("rule train:")[1:]:
+        lines = dict(line.strip().split(": ", 1) for line in block.splitlines()[1:] if ": " in line)
+        inputs[lines["wildcards"]] = lines["input"].split(", ")
+    assert "config/accelerate/zero3.yaml" in inputs["run=sft-qwen2-tiny"]
+    assert "config/accelerate/ddp.yaml" in inputs["run=dpo-qwen2-tiny"]
