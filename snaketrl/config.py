@@ -12,6 +12,7 @@ from pathlib import Path
 from snaketrl import distributed
 from snaketrl.errors import ConfigError
 from snaketrl.rewards import BUILTINS
+from snaketrl.sweeps import with_sweeps
 from snaketrl.trainers import REGISTRY
 
 
@@ -108,10 +109,13 @@ def check(config: dict) -> dict[str, dict]:
     runs = expand_runs(config)
     if not runs:
         raise ConfigError("config: no runs: set matrix.trainers and matrix.models, or add entries to runs")
+    runs = with_sweeps(config, runs)
     for name, run in runs.items():
         where = f"runs.{name}" if name in config.get("runs", {}) else f"matrix (run {name})"
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-            raise ConfigError(f"config: {where}: run name may hold only letters, digits, '_', '.', '-'")
+        if run.get("sweep"):
+            where = f"sweeps.{run['trainer']} (run {name})"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.~+-]*", name):  # '~' and '+': swept values (snaketrl.sweeps)
+            raise ConfigError(f"config: {where}: run name may hold only letters, digits, '_', '.', '~', '+', '-'")
         if run["trainer"] not in REGISTRY:
             raise ConfigError(f"config: {where}.trainer: unknown trainer '{run['trainer']}'; expected one of {known}")
         if run["trainer"] not in config["trainers"]:
@@ -219,6 +223,7 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
         "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
         "distributed": run.get("distributed", distributed.DEFAULT),
+        **({"sweep": run["sweep"], "swept": run["swept"]} if run.get("sweep") else {}),
     })
 
 

@@ -74,10 +74,14 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     causal = sorted(n for n, r in runs.items() if REGISTRY[r["trainer"]].task_type == "CAUSAL_LM")
     if ev["runs"] is None:
         ev["runs"] = causal
-    # A run repeated over seeds may be named by its group: evaluate every seed; judge with the first.
-    members = {}
+    # A run repeated over seeds may be named by its group, a swept run by its un-swept name: evaluate every
+    # member; judge with the first. A group beats a sweep of the same name (the run kept un-swept as a reference).
+    members, swept = {}, {}
     for n, r in sorted(runs.items(), key=lambda kv: (kv[1].get("seed", 0), kv[0])):
         members.setdefault(r.get("group", n), []).append(n)
+        if r.get("sweep"):
+            swept.setdefault(r["sweep"], []).append(n)
+    members = {**swept, **members}
     ev["runs"] = [m for n in ev["runs"] for m in (members.get(n, [n]) if n not in runs else [n])]
     ev["reward_models"] = [n if n in runs else members.get(n, [n])[0] for n in ev["reward_models"]]
     for name in ev["runs"]:

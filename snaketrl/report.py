@@ -11,6 +11,7 @@ import pandas as pd
 
 from snaketrl.io import read_json
 from snaketrl.plots import log_frame
+from snaketrl.sweeps import sweep_sections
 from snaketrl.trainers import REGISTRY
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -230,12 +231,14 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: di
             "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
         })
     table = summary_table(runs, loaded)
+    sweeps = sweep_sections(runs, {run: data["state"] for run, data in loaded.items()},
+                            {job: read_json(f["metrics"]) for job, f in (evaluated or {}).items()})
     overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states))} for t, states in by_trainer.items()]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
     html = env.get_template("report.html.j2").render(
         table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
         sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}),
-        evaluation=evaluation_section(evaluated or {}, groups or {}), db=db_summary(db))
+        evaluation=evaluation_section(evaluated or {}, groups or {}), db=db_summary(db), sweeps=sweeps)
     with atomic(out) as tmp:
         tmp.write_text(html, encoding="utf-8")
     return html
