@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import shutil
-import time
 from pathlib import Path
 
 from snaketrl.errors import ConfigError
@@ -221,25 +220,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
     hashes = {name: hash_path(path) for name, path in inputs.items() if path}
-    resume = None
     samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
-    if spec.resumable:
-        # Resume only what the same config and the same inputs started.
-        parts = {"config": _fingerprint(run), **hashes}
-        resume = last_checkpoint(checkpoint_dir, parts)
-        if resume:
-            log.info("resuming %s from %s", run["name"], resume)
-        training_samples.attach(trainer, samples, run["name"])
-        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
-    else:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        samples.unlink(missing_ok=True)  # it starts over: so do its samples
-        training_samples.attach(trainer, samples, run["name"])
-        # PPO runs its own loop: no resume_from_checkpoint, no final summary entry.
-        started = time.perf_counter()
-        trainer.train()
-        metrics = {"train_runtime": time.perf_counter() - started, "global_step": trainer.state.global_step}
-        trainer.state.log_history.append({**metrics, "step": trainer.state.global_step})
+    # Resume only what the same config and the same inputs started.
+    parts = {"config": _fingerprint(run), **hashes}
+    resume = last_checkpoint(checkpoint_dir, parts)
+    if resume:
+        log.info("resuming %s from %s", run["name"], resume)
+    training_samples.attach(trainer, samples, run["name"])
+    metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     if spec.evaluates:
         metrics.update(trainer.evaluate())
 

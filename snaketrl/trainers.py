@@ -26,16 +26,11 @@ class Trainer:
     value_model: bool = False  # needs a reward model and a value model initialised from it (PPO)
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
-    own_loop: bool = False  # its train() is a loop of its own: no resume_from_checkpoint, no final summary
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
 
     @property
     def model_class(self) -> str:
         return MODEL_CLASSES[self.task_type]
-
-    @property
-    def resumable(self) -> bool:
-        return not self.own_loop
 
 
 ONLINE = {"layout": "prompt", "length_field": None, "reward_funcs": True, "generation_check": True,
@@ -50,8 +45,9 @@ REGISTRY: dict[str, Trainer] = {
                       headline=("accuracy", "eval_accuracy", "margin")),
     "grpo": Trainer("trl:GRPOConfig", "trl:GRPOTrainer", **ONLINE),
     "rloo": Trainer("trl:RLOOConfig", "trl:RLOOTrainer", **ONLINE),
-    "ppo": Trainer("trl.experimental.ppo:PPOConfig", "trl.experimental.ppo:PPOTrainer", "prompt",
-                   length_field=None, value_model=True, tokenized=True, own_loop=True, evaluates=False,
+    # TRL's PPOTrainer, made resumable (snaketrl.ppo)
+    "ppo": Trainer("trl.experimental.ppo:PPOConfig", "snaketrl.ppo:PPOTrainer", "prompt",
+                   length_field=None, value_model=True, tokenized=True, evaluates=False,
                    overlay="objective/rlhf_reward",
                    headline=("objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg")),
     "kto": Trainer("trl:KTOConfig", "trl:KTOTrainer", "preference",
