@@ -31,7 +31,7 @@ def test_each_run_becomes_one_run_per_combination_named_by_its_values(config):
     assert "dpo-qwen2-tiny" not in runs and len([n for n in runs if n.startswith("dpo-")]) == 12
     run = runs["dpo-qwen2-tiny-beta~0.5_learning_rate~1e-05"]
     # Swept values beat the trainer's args (beta 0.1) and `training` (learning_rate 5e-3); the rest is kept.
-    assert run["args"] == {**config["training"], "beta": 0.5, "learning_rate": 1e-05}
+    assert run["args"] == {**config["training"], **config["trainers"]["dpo"]["args"], "beta": 0.5, "learning_rate": 1e-05}
     assert (run["sweep"], run["swept"], run["group"]) == ("dpo-qwen2-tiny", {"beta": 0.5, "learning_rate": 1e-05},
                                                           "dpo-qwen2-tiny-beta~0.5_learning_rate~1e-05")
     # Runs of other trainers are untouched, to the byte: their jobs do not rerun.
