@@ -34,6 +34,9 @@ def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.D
     row = {
         "run": run, "trainer": entry["trainer"], "model": entry["model"], "dataset": entry["dataset"],
         "max_length": lengths["max_length"], "truncated": lengths["share_truncated"],
+        "dropped (too long)": lengths.get("dropped", 0),
+        "batching": lengths.get("batching", {}).get("strategy"),
+        "expected efficiency": lengths.get("batching", {}).get("expected_efficiency"),
         "steps": state["global_step"],
         "train loss (last log)": last_value([h for h in history if "train_runtime" not in h], "loss"),
         "eval loss": last_value(history, "eval_loss"),

@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+from snaketrl.config import BATCHING_FIELDS
 from snaketrl.errors import ConfigError
 from snaketrl.data import read_jsonl
 from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
@@ -18,7 +19,8 @@ from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
 log = logging.getLogger("snaketrl.train")
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
-OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)"}
+OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
+         **{key: "the length stage's batching choice (length.batching)" for key in BATCHING_FIELDS}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:
@@ -35,7 +37,32 @@ def check_args(trainer: str, args: dict, run: str = "?") -> type:
     return cls
 
 
-def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?"):
+def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None) -> None:
+    """Settings that need a CUDA GPU fail here, before any model loads, when none is visible."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available():
+        if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "
+                              f"(pip install liger-kernel)")
+        return
+    if args.get("use_liger_kernel"):
+        raise ConfigError(f"config: run '{run}': use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton "
+                          f"GPU kernels); none is visible")
+    if args.get("activation_offloading"):
+        raise ConfigError(f"config: run '{run}': activation_offloading moves activations from GPU to CPU memory and "
+                          f"needs a CUDA GPU; none is visible")
+    attention = (entry or {}).get("attn_implementation")
+    if attention and "flash" in attention:
+        raise ConfigError(f"config: models.{model}.attn_implementation: {attention} needs a CUDA GPU; none is visible")
+
+
+def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
+               batching: dict | None = None):
+    """The trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching` args, the
+    hardware's bf16."""
     import torch
 
     cls = check_args(trainer, args, run)
@@ -44,6 +71,7 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
         "report_to": "none",
         "seed": seed,
         **args,
+        **(batching or {}),
         # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
         # a config may only turn it off.
         "bf16": bf16 and args.get("bf16", True),
@@ -70,6 +98,8 @@ def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: s
     import torch
     import transformers
 
+    if entry.get("attn_implementation"):
+        kwargs.setdefault("attn_implementation", entry["attn_implementation"])
     quant = entry.get("quantization")
     qconfig = None
     if quant:
@@ -174,12 +204,16 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     and manifest.json into out_dir, each whole or not at all."""
     from snaketrl import manifest, training_samples
     from snaketrl.io import atomic, hash_path, write_json
+    from snaketrl.tokens import TokenCounter
 
     spec = REGISTRY[run["trainer"]]
     lengths = json.loads(Path(lengths_file).read_text())
     checkpoint_dir = Path(checkpoint_dir)
+    # Histograms written before the length stage chose a batching train as TRL does by default.
+    batching = lengths.get("batching", {}).get("args", {})
+    check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
-                      seed=run["seed"], run=run["name"])
+                      seed=run["seed"], run=run["name"], batching=batching)
 
     import torch
     from datasets import Dataset
@@ -199,9 +233,19 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
 
     train_ds = Dataset.from_list(read_jsonl(train_file))
     eval_ds = Dataset.from_list(read_jsonl(eval_file))
+    if batching.get("length_column_name"):
+        # TRL tokenizes pairs into columns the length-grouped sampler cannot measure: it reads this one.
+        from snaketrl.lengths import sequence_lengths
+
+        train_ds, eval_ds = (ds.add_column(args.length_column_name,
+                                           sequence_lengths(ds.to_list(), tokenizer, spec.layout).tolist())
+                             for ds in (train_ds, eval_ds))
+    counter = TokenCounter(tokenizer.pad_token_id)
     trainer_cls = load(spec.trainer)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
+                          processing_class=tokenizer, peft_config=peft_config,
+                          callbacks=[counter, *(callbacks or [])], **extra)
+    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops_long else 0
 
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
@@ -225,6 +269,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         trainer.train()
         metrics = {"train_runtime": time.perf_counter() - started, "global_step": trainer.state.global_step}
         trainer.state.log_history.append({**metrics, "step": trainer.state.global_step})
+    metrics.update(counter.summary())
+    if spec.drops_long:
+        metrics["examples_dropped"] = dropped
     if spec.evaluates:
         metrics.update(trainer.evaluate())
 
