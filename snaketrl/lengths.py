@@ -99,13 +99,14 @@ def padding_share(lengths: np.ndarray, max_length: int, batch_size: int, seed: i
     return 1 - batch_efficiency(clipped, clipped if real is None else real, batch_size, order, rows)
 
 
-def length_grouped_order(lengths: np.ndarray, batch_size: int, seed: int) -> np.ndarray:
+def length_grouped_order(lengths: np.ndarray, batch_size: int, seed: int = 0, perm=None) -> np.ndarray:
     """The order of transformers' LengthGroupedSampler (trainer_pt_utils.get_length_grouped_indices): a random
     permutation cut into mega-batches of up to 50 batches, each sorted longest first. Rewritten in numpy
     because the length stage runs without torch; its swap of the longest example to the front is left out
     (it moves one example)."""
     mult = max(1, min(len(lengths) // (batch_size * 4), 50))
-    perm = np.random.default_rng(seed).permutation(len(lengths))
+    if perm is None:
+        perm = np.random.default_rng(seed).permutation(len(lengths))
     megas = [perm[i:i + mult * batch_size] for i in range(0, len(perm), mult * batch_size)]
     return np.concatenate([m[np.argsort(-lengths[m], kind="stable")] for m in megas])
 

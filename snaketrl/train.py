@@ -198,6 +198,14 @@ def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     return {}
 
 
+def with_lengths(dataset, tokenizer, layout: str, column: str):
+    """`dataset` with each example's tokens (a pair's longer side) in `column`: TRL tokenizes preference
+    pairs into columns the length-grouped sampler cannot measure, so it reads this one."""
+    from snaketrl.lengths import sequence_lengths
+
+    return dataset.add_column(column, sequence_lengths(dataset.to_list(), tokenizer, layout).tolist())
+
+
 def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
               reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
     """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
@@ -234,11 +242,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     train_ds = Dataset.from_list(read_jsonl(train_file))
     eval_ds = Dataset.from_list(read_jsonl(eval_file))
     if batching.get("length_column_name"):
-        # TRL tokenizes pairs into columns the length-grouped sampler cannot measure: it reads this one.
-        from snaketrl.lengths import sequence_lengths
-
-        train_ds, eval_ds = (ds.add_column(args.length_column_name,
-                                           sequence_lengths(ds.to_list(), tokenizer, spec.layout).tolist())
+        train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
                              for ds in (train_ds, eval_ds))
     counter = TokenCounter(tokenizer.pad_token_id)
     trainer_cls = load(spec.trainer)
