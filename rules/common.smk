@@ -1,7 +1,7 @@
 import re
 
 from snaketrl import distributed, paths
-from snaketrl.config import canonical, corpus_files, local_files
+from snaketrl.config import batching_of, canonical, corpus_files, local_files
 from snaketrl.evaluation_config import eval_job_inputs
 from snaketrl.trainers import REGISTRY
 
@@ -96,8 +96,8 @@ def pretrained_models():
 
 
 def length_settings(wildcards):
-    """How the histogram chooses max_length, and the batch size its padding estimate assumes: that of
-    the first run (by name) sharing these lengths."""
+    """How the histogram chooses max_length and the batching, and the batch size its efficiency estimates
+    assume: that of the first run (by name) sharing these lengths."""
     key = (wildcards.trainer, wildcards.dataset, wildcards.model)
     batch = next(
         (
@@ -109,10 +109,15 @@ def length_settings(wildcards):
     )
     return canonical(
         {
-            **config["length"],
+            **{k: v for k, v in config["length"].items() if k != "batching"},
+            "trainer": wildcards.trainer,
             "layout": REGISTRY[wildcards.trainer].layout,
             "batch_size": batch,
             "seed": config["seed"],
+            "batching": batching_of(config, wildcards.trainer),
+            "attn_implementation": config["models"][wildcards.model].get(
+                "attn_implementation"
+            ),
         }
     )
 

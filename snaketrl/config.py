@@ -131,12 +131,57 @@ def check(config: dict) -> dict[str, dict]:
             if key.endswith("_token") and key.startswith(("hub", "push_to_hub")):  # a secret would reach manifests
                 raise ConfigError(f"config: {where}: '{key}': secrets do not belong in config; set HF_TOKEN "
                                   f"in the environment")
+        _check_run_batching(config, run, where)
     for name, model in config["models"].items():
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
+    _check_batching(config, {run["trainer"] for run in runs.values()})
     _check_local_files(config, runs)
     return {name: resolve_run(config, name, run) for name, run in with_seeds(config, runs).items()}
+
+
+# TRL fields the length stage's batching choice sets (snaketrl.lengths.STRATEGY_ARGS, PAIR_GROUPING).
+BATCHING_FIELDS = ("packing", "packing_strategy", "train_sampling_strategy", "remove_unused_columns",
+                   "length_column_name")
+
+
+def batching_of(config: dict, trainer: str) -> str:
+    """The batching length.batching asks of `trainer`: one for all, or per trainer (auto where unnamed)."""
+    batching = config.get("length", {}).get("batching", "auto")
+    return batching if isinstance(batching, str) else batching.get(trainer, "auto")
+
+
+def _check_batching(config: dict, trainers: set[str]) -> None:
+    batching = config.get("length", {}).get("batching", "auto")
+    if isinstance(batching, dict):
+        for trainer in batching:
+            if trainer not in REGISTRY:
+                raise ConfigError(f"config: length.batching.{trainer}: unknown trainer; expected one of "
+                                  f"{sorted(REGISTRY)}")
+    for trainer in sorted(trainers):
+        spec, wanted = REGISTRY[trainer], batching_of(config, trainer)
+        if wanted != "auto" and wanted not in spec.batching:
+            where = "length.batching" + ("" if isinstance(batching, str) else f".{trainer}")
+            why = f" ({spec.batching_note})" if spec.batching_note else ""
+            raise ConfigError(f"config: {where}: '{wanted}' is not possible for trainer '{trainer}'; it can use "
+                              f"{', '.join(spec.batching)}{why}")
+
+
+def _check_run_batching(config: dict, run: dict, where: str) -> None:
+    """The batching fields belong to length.batching; padding_free works only where TRL applies it."""
+    args = trl_args(config, run)
+    for key in BATCHING_FIELDS:
+        if key in args:
+            raise ConfigError(f"config: {where}: '{key}' is set by the length stage's batching choice; use "
+                              f"length.batching (auto, padded, grouped, packed) instead")
+    if args.get("padding_free"):
+        if run["trainer"] != "sft":
+            raise ConfigError(f"config: {where}: padding_free: TRL 1.12 applies it only in SFT (its DPO falls back "
+                              f"to padding); length.batching: grouped pads each batch only to its neighbours")
+        if batching_of(config, "sft") != "packed":
+            raise ConfigError(f"config: {where}: padding_free: TRL 1.12 needs packing with it when max_length is "
+                              f"set (the length histogram sets it); set length.batching to packed for sft")
 
 
 def with_seeds(config: dict, runs: dict[str, dict]) -> dict[str, dict]:

@@ -8,6 +8,7 @@ import random
 import numpy as np
 
 from snaketrl.data import is_conversational
+from snaketrl.trainers import REGISTRY
 
 PERCENTILES = (50, 90, 95, 99, 100)
 
@@ -45,6 +46,8 @@ def _count(tokenizer, texts, add_special_tokens) -> np.ndarray:
 def sequence_lengths(rows: list[dict], tokenizer, layout: str) -> np.ndarray:
     """Tokens per example. Preference pairs count the longer of prompt+chosen and prompt+rejected,
     since TRL truncates each to max_length."""
+    if layout == "preference":
+        return np.maximum(*pair_lengths(rows, tokenizer))
     if layout == "language_modeling":
         if "messages" in rows[0]:
             return _count(tokenizer, tokenizer.apply_chat_template([r["messages"] for r in rows], tokenize=False),
@@ -56,12 +59,15 @@ def sequence_lengths(rows: list[dict], tokenizer, layout: str) -> np.ndarray:
     if layout == "prompt":
         texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
         return _count(tokenizer, texts, special)
-    if layout == "preference":
-        prompts = [r["prompt"] for r in rows]
-        chosen, special = _texts(tokenizer, prompts, [r["chosen"] for r in rows])
-        rejected, _ = _texts(tokenizer, prompts, [r["rejected"] for r in rows])
-        return np.maximum(_count(tokenizer, chosen, special), _count(tokenizer, rejected, special))
     raise ValueError(f"no length rule for layout '{layout}'")
+
+
+def pair_lengths(rows: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of prompt+chosen and of prompt+rejected per preference pair."""
+    prompts = [r["prompt"] for r in rows]
+    chosen, special = _texts(tokenizer, prompts, [r["chosen"] for r in rows])
+    rejected, _ = _texts(tokenizer, prompts, [r["rejected"] for r in rows])
+    return _count(tokenizer, chosen, special), _count(tokenizer, rejected, special)
 
 
 def choose_max_length(lengths: np.ndarray, keep_share: float, round_to: int, cap: int | None) -> int:
@@ -73,31 +79,129 @@ def choose_max_length(lengths: np.ndarray, keep_share: float, round_to: int, cap
     return min(choice, cap) if cap else choice
 
 
-def padding_share(lengths: np.ndarray, max_length: int, batch_size: int, seed: int) -> float:
+def batch_efficiency(padded: np.ndarray, real: np.ndarray, batch_size: int, order, rows: int = 1) -> float:
+    """Real tokens / tokens processed when the examples, taken in `order`, `batch_size` at a time, are padded
+    to their batch's longest (`padded`: each example's longest row after truncation, `rows` rows per example,
+    as a preference pair's chosen and rejected; `real`: its tokens over all rows)."""
+    order = np.asarray(order, dtype=np.int64)
+    padded, real = padded[order], real[order]
+    starts = np.arange(0, len(padded), batch_size)
+    sizes = np.diff(np.append(starts, len(padded)))
+    return float(real.sum() / (rows * (np.maximum.reduceat(padded, starts) * sizes).sum()))
+
+
+def padding_share(lengths: np.ndarray, max_length: int, batch_size: int, seed: int, real: np.ndarray | None = None,
+                  rows: int = 1) -> float:
     """Expected share of pad tokens when random batches are padded to their longest (truncated) member."""
     clipped = np.minimum(lengths, max_length)
     order = list(range(len(clipped)))
     random.Random(seed).shuffle(order)
-    shuffled = clipped[order]
-    padded = sum(len(b) * b.max() for b in np.array_split(shuffled, max(1, math.ceil(len(shuffled) / batch_size))))
-    return float(1 - clipped.sum() / padded)
+    return 1 - batch_efficiency(clipped, clipped if real is None else real, batch_size, order, rows)
+
+
+def length_grouped_order(lengths: np.ndarray, batch_size: int, seed: int = 0, perm=None) -> np.ndarray:
+    """The order of transformers' LengthGroupedSampler (trainer_pt_utils.get_length_grouped_indices): a random
+    permutation cut into mega-batches of up to 50 batches, each sorted longest first. Rewritten in numpy
+    because the length stage runs without torch; its swap of the longest example to the front is left out
+    (it moves one example)."""
+    mult = max(1, min(len(lengths) // (batch_size * 4), 50))
+    if perm is None:
+        perm = np.random.default_rng(seed).permutation(len(lengths))
+    megas = [perm[i:i + mult * batch_size] for i in range(0, len(perm), mult * batch_size)]
+    return np.concatenate([m[np.argsort(-lengths[m], kind="stable")] for m in megas])
+
+
+# What each strategy sets in the trainer's TRL config (preference pairs: tokenized by TRL into columns the
+# sampler cannot measure, so training adds their lengths as a column, which must survive unused-column removal).
+STRATEGY_ARGS = {
+    "padded": {},
+    "grouped": {"train_sampling_strategy": "group_by_length"},
+    "packed": {"packing": True, "packing_strategy": "bfd"},
+}
+PAIR_GROUPING = {"remove_unused_columns": False, "length_column_name": "snaketrl_length"}
+# Attention implementations that keep a flattened batch's sequences apart without attending across the
+# whole batch (trl.trainer.sft_trainer.FLASH_ATTENTION_VARIANTS; tests/test_batching.py checks they match).
+VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2",
+                    "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3"}
+# A strategy other than TRL's default must gain at least this much efficiency to be chosen.
+MIN_GAIN = 0.01
+
+
+def choose_batching(trainer: str, requested: str, attention: str | None, efficiency: dict[str, float]) -> dict:
+    """The batching of one (trainer, dataset, model): `requested` (length.batching) or, for `auto`, the best
+    the trainer allows given the expected `efficiency` of each strategy and the model's attention."""
+    spec = REGISTRY[trainer]
+    options = spec.batching
+    if requested != "auto":
+        strategy, reason = requested, "set by length.batching"
+    elif len(options) == 1:
+        strategy, reason = "padded", spec.batching_note
+    elif "packed" in options and attention in VARLEN_ATTENTION:
+        strategy = "packed"
+        reason = (f"best-fit-decreasing packing, padding-free: {attention} attends within each packed "
+                  f"sequence only, so no token is padding and none is wasted on cross-sequence attention")
+    elif efficiency["grouped"] - efficiency["padded"] < MIN_GAIN:
+        strategy = "padded"
+        reason = (f"TRL's random batches are already {efficiency['padded']:.1%} real tokens; grouping by length "
+                  f"would gain less than {MIN_GAIN:.0%}")
+    else:
+        strategy = "grouped"
+        reason = "batches grouped by length (transformers' LengthGroupedSampler) pad only to their neighbours"
+        if "packed" in options:
+            reason += (f"; packing would be exact but flattens each batch into one sequence, and with "
+                       f"{attention or 'the default (sdpa)'} attention that sequence's attention cost grows with "
+                       f"the square of its length: it pays with flash attention (models.<name>.attn_implementation)")
+    args = dict(STRATEGY_ARGS[strategy])
+    if strategy == "grouped" and spec.layout == "preference":
+        args.update(PAIR_GROUPING)
+    return {"strategy": strategy, "requested": requested, "args": args, "reason": reason,
+            "expected_efficiency": efficiency[strategy], "padding_efficiency": efficiency["padded"]}
+
+
+def strategy_efficiencies(lengths: np.ndarray, real: np.ndarray, max_length: int, batch_size: int, seed: int,
+                          rows: int = 1) -> dict[str, float]:
+    """Expected real/processed tokens of each strategy: TRL's random batches, length-grouped batches, and
+    padding-free packing (every processed token is real: sequences are concatenated, not padded)."""
+    clipped = np.minimum(lengths, max_length)
+    return {"padded": 1 - padding_share(lengths, max_length, batch_size, seed, real, rows),
+            "grouped": batch_efficiency(clipped, real, batch_size, length_grouped_order(clipped, batch_size, seed),
+                                        rows),
+            "packed": 1.0}
 
 
 def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: int | None, batch_size: int,
-                 seed: int) -> dict:
-    max_length = choose_max_length(lengths, keep_share, round_to, cap)
-    return {
-        "n_examples": int(len(lengths)),
-        "mean": float(lengths.mean()),
-        "percentiles": {f"p{p}": int(np.percentile(lengths, p, method="higher")) for p in PERCENTILES},
+                 seed: int, trainer: str | None = None, batching: str = "auto", attention: str | None = None) -> dict:
+    """Percentiles, max_length and batching of `lengths`: one per example, or one column per row the trainer
+    pads together (a preference pair's prompt+chosen and prompt+rejected). Without `trainer`, no batching."""
+    per_row = lengths.reshape(len(lengths), -1)
+    longest = per_row.max(axis=1)
+    max_length = choose_max_length(longest, keep_share, round_to, cap)
+    drops = bool(trainer) and REGISTRY[trainer].drops_long
+    # A trainer that drops long examples never sees them; the others truncate each row to max_length.
+    kept = longest <= max_length if drops else np.ones(len(longest), dtype=bool)
+    if not kept.any():
+        from snaketrl.errors import DataError
+
+        raise DataError(f"every example is longer than max_length={max_length} (the model's {cap} positions), "
+                        f"and trainer '{trainer}' drops such examples: nothing would be left to train on")
+    real = np.minimum(per_row[kept], max_length).sum(axis=1)
+    efficiency = strategy_efficiencies(longest[kept], real, max_length, batch_size, seed, rows=per_row.shape[1])
+    stats = {
+        "n_examples": int(len(longest)),
+        "mean": float(longest.mean()),
+        "percentiles": {f"p{p}": int(np.percentile(longest, p, method="higher")) for p in PERCENTILES},
         "keep_share": keep_share,
         "round_to": round_to,
         "model_max_positions": cap,
         "max_length": max_length,
-        "share_truncated": float((lengths > max_length).mean()),
-        "padding_share": padding_share(lengths, max_length, batch_size, seed),
+        "share_truncated": 0.0 if drops else float((longest > max_length).mean()),
+        "dropped": int((~kept).sum()),
+        "padding_share": 1 - efficiency["padded"],
         "batch_size": batch_size,
     }
+    if trainer:
+        stats["batching"] = choose_batching(trainer, batching, attention, efficiency)
+    return stats
 
 
 def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
@@ -111,8 +215,12 @@ def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
     for (name, value), style in zip(stats["percentiles"].items(), [":", "--", "--", "-.", ":"]):
         ax.axvline(value, color="gray", linestyle=style, linewidth=1)
         ax.text(value, ax.get_ylim()[1] * 0.95, name, rotation=90, va="top", ha="right", fontsize=7)
-    ax.axvline(stats["max_length"], color="#c44e52", linewidth=2,
-               label=f"max_length={stats['max_length']} ({stats['share_truncated']:.1%} truncated)")
+    cut = (f"{stats['dropped']} dropped" if stats["dropped"] else f"{stats['share_truncated']:.1%} truncated")
+    ax.axvline(stats["max_length"], color="#c44e52", linewidth=2, label=f"max_length={stats['max_length']} ({cut})")
+    if "batching" in stats:
+        b = stats["batching"]
+        ax.plot([], [], " ", label=f"batching: {b['strategy']}, {b['expected_efficiency']:.0%} real tokens "
+                                   f"(TRL's default {b['padding_efficiency']:.0%})")
     ax.set_xlabel("tokens per example")
     ax.set_ylabel("examples")
     ax.set_title(title, fontsize=10)
@@ -124,7 +232,8 @@ def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
 
 def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: str) -> dict:
     """The length stage of one (trainer, dataset, model): lengths as the trainer will tokenize them, the
-    max_length they imply (`settings`: keep_share, round_to, batch_size, seed, layout), plot and JSON."""
+    max_length they imply and the batching to train with (`settings`: trainer, layout, keep_share, round_to,
+    batch_size, seed, batching, attn_implementation), plot and JSON."""
     from transformers import AutoConfig, AutoTokenizer
 
     from snaketrl.data import read_jsonl
@@ -132,11 +241,16 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cap = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    lengths = sequence_lengths(read_jsonl(train_file), tokenizer, settings["layout"])
+    rows = read_jsonl(train_file)
+    if settings["layout"] == "preference":
+        lengths = np.stack(pair_lengths(rows, tokenizer), axis=1)
+    else:
+        lengths = sequence_lengths(rows, tokenizer, settings["layout"])
     stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
-                         batch_size=settings["batch_size"], seed=settings["seed"])
+                         batch_size=settings["batch_size"], seed=settings["seed"], trainer=settings["trainer"],
+                         batching=settings["batching"], attention=settings["attn_implementation"])
     with atomic(png_out) as tmp:
-        plot_histogram(lengths, stats, tmp, title)
+        plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)
     print(stats)
     return stats

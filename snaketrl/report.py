@@ -30,11 +30,17 @@ def last_value(history: list[dict], key: str):
     return None
 
 
-def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None) -> dict:
-    history = state["log_history"]
+def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None,
+              metrics: dict | None = None) -> dict:
+    history, metrics = state["log_history"], metrics or {}
     row = {
         "run": run, "trainer": entry["trainer"], "model": entry["model"], "dataset": entry["dataset"],
         "max_length": lengths["max_length"], "truncated": lengths["share_truncated"],
+        "dropped (too long)": lengths.get("dropped", 0),
+        "batching": lengths.get("batching", {}).get("strategy"),
+        "expected efficiency": lengths.get("batching", {}).get("expected_efficiency"),
+        "token efficiency": metrics.get("token_efficiency"),
+        "real tokens/s": metrics.get("real_tokens_per_second"),
         "steps": state["global_step"],
         "train loss (last log)": last_value([h for h in history if "train_runtime" not in h], "loss"),
         "eval loss": last_value(history, "eval_loss"),
@@ -99,6 +105,7 @@ def load_runs(files: dict[str, dict]) -> dict[str, dict]:
             "lengths": read_json(f["lengths"]),
             "bench": pd.read_csv(bench, sep="\t") if bench.is_file() else None,
             "manifest": read_json(f["manifests"]),
+            "metrics": read_json(f["metrics"]),
             "data": read_json(f["summaries"]),
             "curves": f["curves"],
             "histogram": f["histograms"],
@@ -109,7 +116,8 @@ def load_runs(files: dict[str, dict]) -> dict[str, dict]:
 def summary_table(runs: dict[str, dict], loaded: dict[str, dict]) -> pd.DataFrame:
     rows = []
     for run, entry in runs.items():
-        row = summarize(run, entry, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"])
+        row = summarize(run, entry, loaded[run]["state"], loaded[run]["lengths"], loaded[run]["bench"],
+                        loaded[run]["metrics"])
         data = loaded[run]["data"]  # preprocess summary: malformed lines (fetch) and invalid rows per split
         row["rows dropped"] = data.get("fetch", {}).get("count", 0) + sum(
             data[split]["dropped"] for split in ("train", "eval") if split in data)
@@ -223,7 +231,7 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: di
         by_trainer.setdefault(entry["trainer"], {})[run] = data["state"]
         manifest = data["manifest"]
         sections.append({
-            "run": run, "entry": entry, "lengths": data["lengths"],
+            "run": run, "entry": entry, "lengths": data["lengths"], "metrics": data["metrics"],
             "curves": data_uri(data["curves"]),
             "histogram": data_uri(data["histogram"]),
             "config": json.dumps(manifest.get("config", {}), indent=2),

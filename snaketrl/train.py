@@ -10,6 +10,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from snaketrl.config import BATCHING_FIELDS
 from snaketrl.errors import ConfigError
 from snaketrl.data import read_jsonl
 from snaketrl.distributed import SHARDED
@@ -18,7 +19,8 @@ from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
 log = logging.getLogger("snaketrl.train")
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
-OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)"}
+OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
+         **{key: "the length stage's batching choice (length.batching)" for key in BATCHING_FIELDS}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:
@@ -35,7 +37,32 @@ def check_args(trainer: str, args: dict, run: str = "?") -> type:
     return cls
 
 
-def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?"):
+def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None) -> None:
+    """Settings that need a CUDA GPU fail here, before any model loads, when none is visible."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available():
+        if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "
+                              f"(pip install liger-kernel)")
+        return
+    if args.get("use_liger_kernel"):
+        raise ConfigError(f"config: run '{run}': use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton "
+                          f"GPU kernels); none is visible")
+    if args.get("activation_offloading"):
+        raise ConfigError(f"config: run '{run}': activation_offloading moves activations from GPU to CPU memory and "
+                          f"needs a CUDA GPU; none is visible")
+    attention = (entry or {}).get("attn_implementation")
+    if attention and "flash" in attention:
+        raise ConfigError(f"config: models.{model}.attn_implementation: {attention} needs a CUDA GPU; none is visible")
+
+
+def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
+               batching: dict | None = None):
+    """The trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching` args, the
+    hardware's bf16."""
     import torch
 
     cls = check_args(trainer, args, run)
@@ -44,6 +71,7 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
         "report_to": "none",
         "seed": seed,
         **args,
+        **(batching or {}),
         # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
         # a config may only turn it off.
         "bf16": bf16 and args.get("bf16", True),
@@ -89,6 +117,8 @@ def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: s
     import torch
     import transformers
 
+    if entry.get("attn_implementation"):
+        kwargs.setdefault("attn_implementation", entry["attn_implementation"])
     quant = entry.get("quantization")
     if quant and not torch.cuda.is_available():
         raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "
@@ -181,18 +211,31 @@ def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     return {}
 
 
+def with_lengths(dataset, tokenizer, layout: str, column: str):
+    """`dataset` with each example's tokens (a pair's longer side) in `column`: TRL tokenizes preference
+    pairs into columns the length-grouped sampler cannot measure, so it reads this one."""
+    from snaketrl.lengths import sequence_lengths
+
+    return dataset.add_column(column, sequence_lengths(dataset.to_list(), tokenizer, layout).tolist())
+
+
 def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
               reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
     """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
     and manifest.json into out_dir, each whole or not at all."""
     from snaketrl import manifest, training_samples
     from snaketrl.io import atomic, hash_path, write_json
+    from snaketrl.tokens import TokenCounter
 
     spec = REGISTRY[run["trainer"]]
     lengths = json.loads(Path(lengths_file).read_text())
     checkpoint_dir = Path(checkpoint_dir)
+    # Histograms written before the length stage chose a batching train as TRL does by default.
+    batching = lengths.get("batching", {}).get("args", {})
+    check_args(run["trainer"], run["args"], run["name"])
+    check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
-                      seed=run["seed"], run=run["name"])
+                      seed=run["seed"], run=run["name"], batching=batching)
 
     import torch
     from datasets import Dataset
@@ -213,9 +256,15 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
 
     train_ds = Dataset.from_list(read_jsonl(train_file))
     eval_ds = Dataset.from_list(read_jsonl(eval_file))
+    if batching.get("length_column_name"):
+        train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
+                             for ds in (train_ds, eval_ds))
+    counter = TokenCounter(tokenizer.pad_token_id)
     trainer_cls = load(spec.trainer)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
+                          processing_class=tokenizer, peft_config=peft_config,
+                          callbacks=[counter, *(callbacks or [])], **extra)
+    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops_long else 0
 
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
@@ -228,6 +277,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         log.info("resuming %s from %s", run["name"], resume)
     training_samples.attach(trainer, samples, run["name"])
     metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
+    metrics.update(counter.summary())
+    if spec.drops_long:
+        metrics["examples_dropped"] = dropped
     if spec.evaluates:
         metrics.update(trainer.evaluate())
 

@@ -27,6 +27,9 @@ class Trainer:
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
+    batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.lengths.STRATEGIES)
+    batching_note: str = ""  # why it has no other strategy: the histogram JSON and the report say so
+    drops_long: bool = False  # drops examples longer than max_length instead of truncating them
 
     @property
     def model_class(self) -> str:
@@ -34,30 +37,41 @@ class Trainer:
 
 
 ONLINE = {"layout": "prompt", "length_field": None, "reward_funcs": True, "generation_check": True,
-          "overlay": "reward", "headline": ("reward", "reward_std", "completions/mean_length")}
+          "overlay": "reward", "headline": ("reward", "reward_std", "completions/mean_length"),
+          "batching_note": "TRL's RepeatSampler orders the prompts (each repeated num_generations times), so "
+                           "train_sampling_strategy does not apply; prompts are padded per batch as TRL does"}
+# Preference pairs: TRL's DPO ignores padding_free, so batches are grouped by length instead.
+PAIRS = ("padded", "grouped")
 
 REGISTRY: dict[str, Trainer] = {
     "sft": Trainer("trl:SFTConfig", "trl:SFTTrainer", "language_modeling",
-                   headline=("mean_token_accuracy", "eval_mean_token_accuracy")),
+                   headline=("mean_token_accuracy", "eval_mean_token_accuracy"),
+                   batching=("padded", "grouped", "packed")),
     "dpo": Trainer("trl:DPOConfig", "trl:DPOTrainer", "preference",
-                   headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies")),
+                   headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"), batching=PAIRS),
     "reward": Trainer("trl:RewardConfig", "trl:RewardTrainer", "preference", task_type="SEQ_CLS",
-                      headline=("accuracy", "eval_accuracy", "margin")),
+                      headline=("accuracy", "eval_accuracy", "margin"), batching=PAIRS, drops_long=True),
     "grpo": Trainer("trl:GRPOConfig", "trl:GRPOTrainer", **ONLINE),
     "rloo": Trainer("trl:RLOOConfig", "trl:RLOOTrainer", **ONLINE),
     # TRL's PPOTrainer, made resumable (snaketrl.ppo)
     "ppo": Trainer("trl.experimental.ppo:PPOConfig", "snaketrl.ppo:PPOTrainer", "prompt",
                    length_field=None, value_model=True, tokenized=True, evaluates=False,
                    overlay="objective/rlhf_reward",
-                   headline=("objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg")),
+                   headline=("objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg"),
+                   batching_note="PPO's own loop draws prompts from its own shuffling DataLoader; they are padded "
+                                 "per batch as TRL does"),
     "kto": Trainer("trl:KTOConfig", "trl:KTOTrainer", "preference",
-                   headline=("rewards/margins", "kl", "eval_rewards/margins")),
+                   headline=("rewards/margins", "kl", "eval_rewards/margins"),
+                   batching_note="KTO estimates its KL term from each example's batch neighbours and needs TRL's "
+                                 "sequential order (train_sampling_strategy='sequential')"),
     "orpo": Trainer("trl.experimental.orpo:ORPOConfig", "trl.experimental.orpo:ORPOTrainer", "preference",
-                    headline=("rewards/margins", "rewards/accuracies", "log_odds_ratio")),
+                    headline=("rewards/margins", "rewards/accuracies", "log_odds_ratio"), batching=PAIRS),
     "online_dpo": Trainer("trl.experimental.online_dpo:OnlineDPOConfig",
                           "trl.experimental.online_dpo:OnlineDPOTrainer", "prompt", reward_funcs=True,
                           length_field=None, evaluates=False, overlay="objective/scores",
-                          headline=("objective/scores", "objective/kl", "rewards/margins")),
+                          headline=("objective/scores", "objective/kl", "rewards/margins"),
+                          batching_note="Online DPO pads each batch's prompts for generation, whose cost is the "
+                                        "completions'; its prompts are not grouped here"),
 }
 
 

@@ -37,7 +37,7 @@ def test_resolved_runs_do_not_depend_on_key_order(config):
 
 
 def test_schema_fills_defaults(config):
-    assert config["length"] == {"keep_share": 0.99, "round_to": 32}
+    assert config["length"] == {"keep_share": 0.99, "round_to": 32, "batching": "auto"}
     assert config["datasets"]["tldr"]["eval_size"] == 0.1
     assert config["datasets"]["tldr"]["columns"] == {}
     assert config["models"]["qwen2-tiny"]["quantization"] is None

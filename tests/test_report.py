@@ -25,7 +25,11 @@ def _fake_results(root):
         f["manifests"].write_text(json.dumps({"config": {"run": run, "seed": 1}, "trl_args": {"beta": 0.1},
                                               "versions": {"trl": "1.12.0"}}))
         plot_run(f["states"], f["curves"], d / "log_history.csv", run)
-        f["lengths"].write_text(json.dumps({"max_length": 96, "share_truncated": 0.02, "padding_share": 0.3}))
+        f["lengths"].write_text(json.dumps({"max_length": 96, "share_truncated": 0.02, "padding_share": 0.3, "dropped": 0,
+                                            "batching": {"strategy": "grouped", "requested": "auto", "args": {},
+                                                         "reason": "why", "expected_efficiency": 0.9,
+                                                         "padding_efficiency": 0.7}}))
+        f["metrics"].write_text(json.dumps({"token_efficiency": 0.88, "real_tokens_per_second": 1234.5}))
         f["histograms"].write_bytes(f["curves"].read_bytes())
         pd.DataFrame({"s": [3.0], "max_rss": [512.0]}).to_csv(f["benchmarks"], sep="\t", index=False)
         f["summaries"].write_text(json.dumps({"train": {"rows": 10, "dropped": 2 if run == "dpo-b" else 0},
@@ -48,6 +52,9 @@ def test_report_is_self_contained_and_lists_every_run(tmp_path):
     assert table["train loss (last log)"].tolist() == [0.5, 0.5]
     assert table["headline (first → last log)"].tolist() == ["rewards/margins 0 → 0.4"] * 2
     assert table["peak RSS (MB)"].tolist() == [512, 512]
+    assert table["batching"].tolist() == ["grouped"] * 2
+    assert table["expected efficiency"].tolist() == [0.9, 0.9] and table["token efficiency"].tolist() == [0.88, 0.88]
+    assert "<b>88.0%</b> real tokens,\n1234 real tokens/s" in html
     # 2 runs x (curves + histogram) + 1 overlay for the one trainer; nothing loaded from elsewhere.
     assert len(re.findall(r'src="data:image/png;base64,', html)) == 5
     assert not re.search(r'src="(?!data:)', html)

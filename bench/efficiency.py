@@ -1,0 +1,194 @@
+"""TRL's default batching against the batching the length stage chooses, measured.
+
+For every run of a config whose trainer can batch otherwise (SFT, DPO, reward, ORPO) and every seed: one
+epoch with TRL's default batching (`padded`: random batches padded to their longest) and one with the
+strategy `length.batching: auto` chooses, on the same tiny model (built and pretrained as the workflow
+does), the same examples and the same max_length, each in a process of its own. Prints token efficiency
+(real / processed tokens, counted during training), real tokens per second of training steps, wall time
+of the epoch, peak RSS, the final eval loss, and the ratios chosen / default.
+
+    python bench/efficiency.py                                  # the default config's samples
+    python bench/efficiency.py --configfile bench/public_data.yaml --seeds 1 2
+    python bench/efficiency.py --strategies padded auto packed  # also SFT packing
+
+Duplicate examples (the human TL;DRs repeat each post once per model sample) are kept once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# One epoch, evaluated once at its end; no checkpoints (their writes are not batching's cost).
+EPOCH = {"num_train_epochs": 1, "max_steps": -1, "eval_strategy": "no", "save_strategy": "no",
+         "logging_steps": 10}
+
+
+def load_config(path: Path) -> tuple[dict, dict]:
+    import yaml
+
+    from snaketrl.config import check, validate
+
+    config = yaml.safe_load(path.read_text())
+    validate(config, str(ROOT / "config" / "schema.yaml"))
+    return config, check(config)
+
+
+def base_model(config: dict, name: str, work: Path) -> Path:
+    """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
+    from snaketrl.models import build_tiny_from_files, pretrain_model
+
+    tiny = config["models"][name]["tiny"]
+    init, out = work / "models" / f"{name}-init", work / "models" / name
+    if not out.is_dir():
+        build_tiny_from_files(tiny, tiny["corpus"], init, seed=config["seed"], threads=1)
+        pretrain_model(init, tiny["corpus"], out, work / "models" / f"{name}-state.json",
+                       work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
+                       threads=1)
+    return out
+
+
+def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
+    """The run's train and eval rows as its trainer reads them (snaketrl.data: fetch, then preprocess)."""
+    from snaketrl.data import fetch, preprocess, write_jsonl
+    from snaketrl.trainers import REGISTRY
+
+    out = work / "data" / run["dataset"] / run["trainer"]
+    if not (out / "eval.jsonl").is_file():
+        entry = run["dataset_entry"]
+        got = fetch(run["dataset"], entry, config["seed"])
+        for split, rows in (("train", got.train), ("eval", got.eval)):
+            rows = preprocess(rows, dataset=run["dataset"], trainer=run["trainer"],
+                              layout=REGISTRY[run["trainer"]].layout, columns=entry["columns"], split=split,
+                              format=entry["format"], bad_rows=entry["bad_rows"]).rows
+            unique = list({json.dumps(r, sort_keys=True): r for r in rows}.values())
+            write_jsonl(unique, out / f"{split}.jsonl")
+    return out / "train.jsonl", out / "eval.jsonl"
+
+
+def worker(job_file: str) -> None:
+    """One epoch of one (run, seed, strategy): length stage, then training; prints one JSON line."""
+    from snaketrl.lengths import histogram
+    from snaketrl.train import train_run
+
+    job = json.loads(Path(job_file).read_text())
+    work = Path(job["work"])
+    stats = histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
+                      job["run"]["name"])
+    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **EPOCH}}
+    metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
+                        lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
+                        threads=job["threads"])
+    print("RESULT " + json.dumps({
+        "strategy": stats["batching"]["strategy"], "expected": stats["batching"]["expected_efficiency"],
+        "max_length": stats["max_length"], "examples": stats["n_examples"],
+        "efficiency": metrics["token_efficiency"], "tokens_per_s": metrics["real_tokens_per_second"],
+        "epoch_s": metrics["train_runtime"], "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "eval_loss": metrics["eval_loss"], "steps": metrics["global_step"]}), flush=True)
+
+
+def measure(job: dict) -> dict:
+    Path(job["work"]).mkdir(parents=True, exist_ok=True)
+    job_file = Path(job["work"]) / "job.json"
+    job_file.write_text(json.dumps(job, default=str))
+    proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"{job['run']['name']} ({job['settings']['batching']}, seed {job['seed']}) failed:\n"
+                 f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ± {(max(values) - min(values)) / 2:.3f}"
+
+
+def report(name: str, results: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows of one run: each strategy, then the ratios of each non-default one to TRL's default."""
+    def mean(strategy, key):
+        return statistics.fmean(r[key] for r in results[strategy])
+
+    rows = []
+    for requested, rs in results.items():
+        r = rs[0]
+        rows.append(f"| {name} | {r['strategy']}{' (auto)' if requested == 'auto' else ''} | {r['examples']} | "
+                    f"{r['max_length']} | {r['expected']:.3f} | {mean(requested, 'efficiency'):.3f} | "
+                    f"{mean(requested, 'tokens_per_s'):.0f} | {mean(requested, 'epoch_s'):.1f} | "
+                    f"{mean(requested, 'rss_mb'):.0f} | {spread([x['eval_loss'] for x in rs])} |")
+    base = "padded"
+    for requested in results:
+        if requested == base or results[requested][0]["strategy"] == base:
+            continue
+        loss = [x["eval_loss"] for x in results[requested]]
+        noise = [x["eval_loss"] for x in results[base]]
+        rows.append(f"| {name} | **ratio {results[requested][0]['strategy']} / padded** | | | | "
+                    f"{mean(requested, 'efficiency') / mean(base, 'efficiency'):.2f}× | "
+                    f"{mean(requested, 'tokens_per_s') / mean(base, 'tokens_per_s'):.2f}× | "
+                    f"{mean(requested, 'epoch_s') / mean(base, 'epoch_s'):.2f}× | "
+                    f"{mean(requested, 'rss_mb') / mean(base, 'rss_mb'):.2f}× | "
+                    f"{statistics.fmean(loss) - statistics.fmean(noise):+.3f}"
+                    f"{f' (seeds: ±{(max(noise) - min(noise)) / 2:.3f})' if len(noise) > 1 else ''} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", type=Path, default=ROOT / "config" / "config.yaml")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every run whose trainer can batch otherwise)")
+    ap.add_argument("--strategies", nargs="*", default=["padded", "auto"],
+                    help="length.batching values to measure (padded is TRL's default)")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[42])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per training process")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-efficiency"),
+                    help="models, data and runs (reused across invocations)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.worker:
+        return worker(opts.worker)
+
+    import os
+
+    from snaketrl.config import canonical
+    from snaketrl.trainers import REGISTRY
+
+    configfile = opts.configfile.resolve()
+    os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
+    config, runs = load_config(configfile)
+    names = opts.runs or [n for n, r in runs.items() if len(REGISTRY[r["trainer"]].batching) > 1]
+    table = ["| run | batching | examples | max_length | expected efficiency | token efficiency | real tokens/s | "
+             "epoch (s) | peak RSS (MB) | eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        run = runs[name]
+        model_dir = base_model(config, run["model"], opts.work)
+        train, evals = prepared(config, run, opts.work)
+        batch = run["args"].get("per_device_train_batch_size", 8)
+        results = {}
+        for strategy in opts.strategies:
+            if strategy not in ("auto", *REGISTRY[run["trainer"]].batching):
+                continue
+            for seed in opts.seeds:
+                settings = canonical({**{k: v for k, v in config["length"].items() if k != "batching"},
+                                      "trainer": run["trainer"], "layout": REGISTRY[run["trainer"]].layout,
+                                      "batch_size": batch, "seed": config["seed"], "batching": strategy,
+                                      "attn_implementation": run["model_entry"].get("attn_implementation")})
+                job = {"run": run, "seed": seed, "settings": settings, "model_dir": str(model_dir),
+                       "train": str(train), "eval": str(evals), "threads": opts.threads,
+                       "work": str(opts.work / "runs" / name / f"{strategy}-seed{seed}")}
+                result = measure(job)
+                print(f"{name} {strategy} seed {seed}: {result}", file=sys.stderr, flush=True)
+                results.setdefault(strategy, []).append(result)
+        table += report(name, results)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

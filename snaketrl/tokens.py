@@ -1,0 +1,63 @@
+"""Token efficiency measured during training: real (non-pad) tokens against the tokens the model processed."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import TrainerCallback
+
+
+class TokenCounter(TrainerCallback):
+    """Counts, for every optimizer step, the tokens of the model's gradient-enabled forward passes: all of
+    them (batch x padded length, or a padding-free batch's packed length) and the real ones (its attention
+    mask, or without one the non-pad tokens: transformers' own `include_num_input_tokens_seen="non_padding"`
+    rule). Reference-model, generation and evaluation passes run without gradients and are not counted."""
+
+    def __init__(self, pad_token_id: int | None):
+        self.pad_token_id = pad_token_id
+        self.steps: list[dict] = []  # per optimizer step: real, processed, seconds
+        self._real = self._processed = 0
+        self._started = None
+        self._hook = None
+
+    def _count(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        mask = kwargs.get("attention_mask")
+        real = mask.sum() if mask is not None and mask.dim() == 2 else (ids != self.pad_token_id).sum()
+        self._real += int(real)
+        self._processed += ids.numel()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._started = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # A loop without on_step_begin (PPO's) times each step from the end of the one before.
+        now = time.perf_counter()
+        self.steps.append({"step": state.global_step, "real": self._real, "processed": self._processed,
+                           "seconds": now - self._started})
+        self._real = self._processed = 0
+        self._started = now
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def summary(self) -> dict:
+        """token_efficiency (real / processed) and real tokens per second of training steps (evaluation,
+        logging and checkpoints excluded), over every step counted."""
+        real = sum(s["real"] for s in self.steps)
+        processed = sum(s["processed"] for s in self.steps)
+        seconds = sum(s["seconds"] for s in self.steps)
+        return {"real_tokens": real, "processed_tokens": processed,
+                "token_efficiency": real / processed if processed else None,
+                "real_tokens_per_second": real / seconds if seconds else None}
