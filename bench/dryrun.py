@@ -1,9 +1,10 @@
 """Dry-run time of the workflow vs Snakemake's own start-up and DAG building.
 
 Default mode: the full default matrix (or --configfile) against a one-job trivial Snakefile.
---runs N: the default's trainers over N/5 tiny models (copies of the default's model entries), against a
-trivial Snakefile of the same job count; the ratio is what the workflow's own parsing and input functions
-add per job. Prints both medians, the job counts and the ratio; parsing never imports torch/transformers/trl.
+--runs N: the default's trainers over N/5 tiny models (copies of the default's model entries) against a
+trivial Snakefile of the same job count (one rule with a wildcard, `all` collecting its outputs): what the
+workflow's jobs cost beyond Snakemake's minimum per job. Prints both medians (wall and CPU time, the two
+dry runs taking turns), the job counts and the ratios. Parsing never imports torch/transformers/trl.
 Usage: python bench/dryrun.py [--configfile FILE | --runs N] [--repeats N]
 """
 
@@ -30,19 +31,22 @@ def cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(cmd, cwd, repeats):
-    """Medians of `cmd`'s wall and CPU time (CPU time is steadier on a shared machine), and its job count
-    (Snakemake's job stats)."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        start, cpu = time.perf_counter(), cpu_seconds()
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-        walls.append(time.perf_counter() - start)
-        cpus.append(cpu_seconds() - cpu)
-        if proc.returncode:
-            sys.exit(f"{' '.join(map(str, cmd))} failed in {cwd}:\n{proc.stderr[-3000:]}")
+def dry_run(cmd, cwd):
+    """Wall and CPU time of one dry run (CPU time is steadier on a shared machine), and its job count
+    (the `total` of Snakemake's job stats)."""
+    start, cpu = time.perf_counter(), cpu_seconds()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     total = re.search(r"^total\s+(\d+)\s*$", proc.stdout, re.M)
-    return statistics.median(walls), statistics.median(cpus), int(total.group(1)) if total else 1
+    if proc.returncode or not total:
+        sys.exit(f"{' '.join(map(str, cmd))} failed in {cwd}:\n{proc.stderr[-3000:]}")
+    return wall, cpu, int(total.group(1))
+
+
+def medians(samples):
+    """Median wall and CPU time of repeated dry runs, and their job count."""
+    walls, cpus, jobs = zip(*samples)
+    return statistics.median(walls), statistics.median(cpus), jobs[0]
 
 
 def scaled_config(runs: int) -> dict:
@@ -87,11 +91,16 @@ def main():
             cmd += ["--configfile", str(configfile)]
         elif opts.configfile:
             cmd += ["--configfile", str(Path(opts.configfile).resolve())]
-        ours, ours_cpu, jobs = timed(cmd, ROOT, opts.repeats)
+        samples = [dry_run(cmd, ROOT)]
         trivial_dir = Path(tmp, "trivial")
         trivial_dir.mkdir()
-        Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(jobs if opts.runs else 1))
-        trivial, trivial_cpu, trivial_jobs = timed(DRY_RUN, trivial_dir, opts.repeats)
+        Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(samples[0][2] if opts.runs else 1))
+        # Turns, so that a change in the machine's load touches both sides alike.
+        trivial_samples = [dry_run(DRY_RUN, trivial_dir)]
+        for _ in range(opts.repeats - 1):
+            samples.append(dry_run(cmd, ROOT))
+            trivial_samples.append(dry_run(DRY_RUN, trivial_dir))
+    (ours, ours_cpu, jobs), (trivial, trivial_cpu, trivial_jobs) = medians(samples), medians(trivial_samples)
     label = f"snaketrl, {opts.runs} runs" if opts.runs else "snaketrl"
     print(f"{'dry-run (median of ' + str(opts.repeats) + ')':<28}{'wall':>8}{'CPU':>8}{'jobs':>7}")
     print(f"{'trivial Snakefile':<28}{trivial:>7.2f}s{trivial_cpu:>7.2f}s{trivial_jobs:>7}")
