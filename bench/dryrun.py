@@ -1,10 +1,17 @@
-"""Dry-run time of the full default matrix vs a trivial Snakefile (Snakemake's own start-up).
+"""Dry-run time of the workflow vs Snakemake's own start-up and DAG building.
 
-Prints both medians and their ratio; parsing must stay close to 1x (no torch/transformers/trl at
-parse time). Usage: python bench/dryrun.py [--configfile FILE] [--repeats N]
+Default mode: the full default matrix (or --configfile) against a one-job trivial Snakefile.
+--runs N: the default's trainers over N/5 tiny models (copies of the default's model entries) against a
+trivial Snakefile of the same job count (one rule with a wildcard, `all` collecting its outputs): what the
+workflow's jobs cost beyond Snakemake's minimum per job. Prints both medians (wall and CPU time, the two
+dry runs taking turns), the job counts and the ratios. Parsing never imports torch/transformers/trl.
+Usage: python bench/dryrun.py [--configfile FILE | --runs N] [--repeats N]
 """
 
 import argparse
+import copy
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -12,34 +19,93 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
+# --forceall: every job is planned, whatever results/ already holds.
+DRY_RUN = [sys.executable, "-m", "snakemake", "-n", "--forceall", "--cores", "1"]
 
 
-def timed(cmd, cwd, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run(cmd, cwd=cwd, check=True, capture_output=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def dry_run(cmd, cwd):
+    """Wall and CPU time of one dry run (CPU time is steadier on a shared machine), and its job count
+    (the `total` of Snakemake's job stats)."""
+    start, cpu = time.perf_counter(), cpu_seconds()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    total = re.search(r"^total\s+(\d+)\s*$", proc.stdout, re.M)
+    if proc.returncode or not total:
+        sys.exit(f"{' '.join(map(str, cmd))} failed in {cwd}:\n{proc.stderr[-3000:]}")
+    return wall, cpu, int(total.group(1))
+
+
+def medians(samples):
+    """Median wall and CPU time of repeated dry runs, and their job count."""
+    walls, cpus, jobs = zip(*samples)
+    return statistics.median(walls), statistics.median(cpus), jobs[0]
+
+
+def scaled_config(runs: int) -> dict:
+    """The default config with runs/5 tiny models: the default's own, then numbered copies of its entries
+    in turn; the matrix trains every trainer on each. The evaluation judges with the reward runs of the
+    default's models, as the default does."""
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    trainers = cfg["matrix"]["trainers"]
+    if runs < len(trainers) or runs % len(trainers):
+        sys.exit(f"--runs: expected a positive multiple of {len(trainers)} (the default's trainers), got {runs}")
+    originals = list(cfg["models"].items())
+    models = {}
+    for i in range(runs // len(trainers)):
+        name, entry = originals[i % len(originals)]
+        models[name if i < len(originals) else f"{name}-{i // len(originals)}"] = copy.deepcopy(entry)
+    cfg["models"] = models
+    cfg["matrix"]["models"] = list(models)
+    if cfg.get("evaluation"):
+        cfg["evaluation"]["reward_models"] = [
+            r for r in cfg["evaluation"].get("reward_models", []) if r.removeprefix("reward-") in models]
+    return cfg
+
+
+def trivial_snakefile(jobs: int) -> str:
+    """One wildcard rule and `all`: `jobs` jobs, nothing but Snakemake's own work."""
+    return (f'rule all:\n    input: expand("out/{{i}}.txt", i=range({jobs - 1}))\n\n'
+            'rule one:\n    output: "out/{i}.txt"\n    shell: "touch {output}"\n')
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configfile")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--configfile")
+    mode.add_argument("--runs", type=int, help="N runs: the default's trainers over N/5 tiny models")
     ap.add_argument("--repeats", type=int, default=5)
     opts = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "Snakefile").write_text('rule all:\n    output: "x.txt"\n    shell: "touch {output}"\n')
-        trivial = timed([sys.executable, "-m", "snakemake", "-n", "--cores", "1"], tmp, opts.repeats)
-    # --forceall: every job of the matrix is planned, whatever results/ already holds.
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--forceall"]
-    if opts.configfile:
-        cmd += ["--configfile", str(Path(opts.configfile).resolve())]
-    ours = timed(cmd, ROOT, opts.repeats)
-    print(f"trivial Snakefile dry-run: {trivial:.2f} s")
-    print(f"snaketrl dry-run:          {ours:.2f} s")
-    print(f"ratio:                     {ours / trivial:.2f}x")
+        cmd = list(DRY_RUN)
+        if opts.runs:
+            configfile = Path(tmp, "config.yaml")
+            configfile.write_text(yaml.safe_dump(scaled_config(opts.runs), sort_keys=False))
+            cmd += ["--configfile", str(configfile)]
+        elif opts.configfile:
+            cmd += ["--configfile", str(Path(opts.configfile).resolve())]
+        samples = [dry_run(cmd, ROOT)]
+        trivial_dir = Path(tmp, "trivial")
+        trivial_dir.mkdir()
+        Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(samples[0][2] if opts.runs else 1))
+        # Turns, so that a change in the machine's load touches both sides alike.
+        trivial_samples = [dry_run(DRY_RUN, trivial_dir)]
+        for _ in range(opts.repeats - 1):
+            samples.append(dry_run(cmd, ROOT))
+            trivial_samples.append(dry_run(DRY_RUN, trivial_dir))
+    (ours, ours_cpu, jobs), (trivial, trivial_cpu, trivial_jobs) = medians(samples), medians(trivial_samples)
+    label = f"snaketrl, {opts.runs} runs" if opts.runs else "snaketrl"
+    print(f"{'dry-run (median of ' + str(opts.repeats) + ')':<28}{'wall':>8}{'CPU':>8}{'jobs':>7}")
+    print(f"{'trivial Snakefile':<28}{trivial:>7.2f}s{trivial_cpu:>7.2f}s{trivial_jobs:>7}")
+    print(f"{label:<28}{ours:>7.2f}s{ours_cpu:>7.2f}s{jobs:>7}")
+    print(f"{'ratio':<28}{ours / trivial:>7.2f}x{ours_cpu / trivial_cpu:>7.2f}x")
 
 
 if __name__ == "__main__":

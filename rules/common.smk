@@ -10,13 +10,24 @@ def _alternatives(names):
     return "|".join(re.escape(n) for n in names) or "(?!)"
 
 
+def _one_of(names):
+    """A constraint admitting every name in `names`. Snakemake splices constraints into the output
+    patterns and rewrites those for every job, so a thousand-name alternation costs seconds per dry
+    run. Names that are single path segments share one segment pattern instead: the layout
+    (snaketrl.paths) already tells each segment apart. A name holding '/' needs the list.
+    """
+    if names and all("/" not in n for n in names):
+        return "[^/]+"
+    return _alternatives(names)
+
+
 TINY_MODELS = [m for m, e in config["models"].items() if "tiny" in e]
 HUB_MODELS = [m for m, e in config["models"].items() if "hub" in e]
 
 
 wildcard_constraints:
-    run=_alternatives(RUNS),
-    model=_alternatives(config["models"]),
+    run=_one_of(RUNS),
+    model=_one_of(config["models"]),
     dataset=_alternatives(config["datasets"]),
     trainer=_alternatives(REGISTRY),
 
@@ -95,24 +106,29 @@ def pretrained_models():
     return sorted({run["model"] for run in RUNS.values()} & set(TINY_MODELS))
 
 
+def _first_run_batches():
+    """(trainer, dataset, model) -> the batch size of the first run (by name) with those lengths:
+    once at parse time, not a scan of every run per histogram job."""
+    batches = {}
+    for _, run in sorted(RUNS.items()):
+        key = (run["trainer"], run["dataset"], run["model"])
+        batches.setdefault(key, run["args"].get("per_device_train_batch_size", 8))
+    return batches
+
+
+LENGTH_BATCHES = _first_run_batches()
+
+
 def length_settings(wildcards):
     """How the histogram chooses max_length and the batching, and the batch size its efficiency estimates
     assume: that of the first run (by name) sharing these lengths."""
     key = (wildcards.trainer, wildcards.dataset, wildcards.model)
-    batch = next(
-        (
-            run["args"].get("per_device_train_batch_size", 8)
-            for _, run in sorted(RUNS.items())
-            if (run["trainer"], run["dataset"], run["model"]) == key
-        ),
-        8,
-    )
     return canonical(
         {
             **{k: v for k, v in config["length"].items() if k != "batching"},
             "trainer": wildcards.trainer,
             "layout": REGISTRY[wildcards.trainer].layout,
-            "batch_size": batch,
+            "batch_size": LENGTH_BATCHES.get(key, 8),
             "seed": config["seed"],
             "batching": batching_of(config, wildcards.trainer),
             "attn_implementation": config["models"][wildcards.model].get(

@@ -1,7 +1,7 @@
 # One yardstick for every run: the same prompts, rewards and judges, each run against its base model.
 rule evaluate:
     input:
-        unpack(lambda wc: eval_job_inputs(wc.evaluated, EVAL, RUNS)),
+        unpack(lambda wc: eval_job_inputs(wc.evaluated, EVAL, RUNS, EVAL_TARGETS)),
     output:
         completions=paths.evaluation("{evaluated}", "completions.jsonl"),
         metrics=paths.evaluation("{evaluated}", "metrics.json"),
@@ -10,7 +10,7 @@ rule evaluate:
     benchmark:
         paths.benchmark("evaluate", "{evaluated}")
     wildcard_constraints:
-        evaluated=_alternatives(EVAL_TARGETS),
+        evaluated=_one_of(EVAL_TARGETS),
     conda:
         "../envs/train.yaml"
     # One thread: tiny models gain nothing from two, and lose much when the cores are shared.

@@ -296,14 +296,15 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(targets.items()))
 
 
-def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict]) -> dict:
+def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | None = None) -> dict:
     """The files one eval job reads (snaketrl.paths), by the names snaketrl.evaluate.evaluate's script
     passes on: model (the start model), adapter (runs only), prompts/references/pairs (the prepared split
     of each configured dataset), reward_models (merged reward runs, in evaluation.reward_models order) and
-    reference (the completions of the reference's eval job, for win rates)."""
+    reference (the completions of the reference's eval job, for win rates). `targets`: eval_targets(ev, runs),
+    computed once by the caller (per job, it would cost each dry run time quadratic in the runs)."""
     from snaketrl import paths
 
-    target = eval_targets(ev, runs)[name]
+    target = (targets if targets is not None else eval_targets(ev, runs))[name]
     if target["kind"] == "run":
         run = runs[target["run"]]
         inputs = {"model": paths.merged(run["policy"]) if run.get("policy") else paths.model(run["model"]),
