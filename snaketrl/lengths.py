@@ -62,6 +62,14 @@ def sequence_lengths(rows: list[dict], tokenizer, layout: str) -> np.ndarray:
     raise ValueError(f"no length rule for layout '{layout}'")
 
 
+def prompt_lengths(rows: list[dict], tokenizer) -> np.ndarray | None:
+    """Tokens of each prompt as generation starts from it (None without prompts)."""
+    if "prompt" not in rows[0]:
+        return None
+    texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
+    return _count(tokenizer, texts, special)
+
+
 def pair_lengths(rows: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of prompt+chosen and of prompt+rejected per preference pair."""
     prompts = [r["prompt"] for r in rows]
@@ -170,15 +178,21 @@ def strategy_efficiencies(lengths: np.ndarray, real: np.ndarray, max_length: int
 
 
 def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: int | None, batch_size: int,
-                 seed: int, trainer: str | None = None, batching: str = "auto", attention: str | None = None) -> dict:
+                 seed: int, trainer: str | None = None, batching: str = "auto", attention: str | None = None,
+                 prompts: np.ndarray | None = None) -> dict:
     """Percentiles, max_length and batching of `lengths`: one per example, or one column per row the trainer
-    pads together (a preference pair's prompt+chosen and prompt+rejected). Without `trainer`, no batching."""
+    pads together (a preference pair's prompt+chosen and prompt+rejected); `prompts`: each prompt's tokens.
+    Without `trainer`, no batching."""
     per_row = lengths.reshape(len(lengths), -1)
     longest = per_row.max(axis=1)
     max_length = choose_max_length(longest, keep_share, round_to, cap)
-    drops = bool(trainer) and REGISTRY[trainer].drops_long
-    # A trainer that drops long examples never sees them; the others truncate each row to max_length.
-    kept = longest <= max_length if drops else np.ones(len(longest), dtype=bool)
+    drops = REGISTRY[trainer].drops if trainer else ""
+    # What a trainer drops it never sees; everything else is truncated to max_length, row by row.
+    kept = np.ones(len(longest), dtype=bool)
+    if drops == "long":
+        kept = longest <= max_length
+    elif drops == "long_prompt" and prompts is not None:
+        kept = prompts < max_length
     if not kept.any():
         from snaketrl.errors import DataError
 
@@ -194,13 +208,15 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
         "round_to": round_to,
         "model_max_positions": cap,
         "max_length": max_length,
-        "share_truncated": 0.0 if drops else float((longest > max_length).mean()),
+        "share_truncated": 0.0 if drops == "long" else float((longest > max_length).mean()),
         "dropped": int((~kept).sum()),
         "padding_share": 1 - efficiency["padded"],
         "batch_size": batch_size,
     }
     if trainer:
         stats["batching"] = choose_batching(trainer, batching, attention, efficiency)
+        if stats["batching"]["strategy"] == "packed":
+            stats["dropped"] = 0  # TRL packs every example, even one whose completion is cut off
     return stats
 
 
@@ -248,7 +264,8 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
         lengths = sequence_lengths(rows, tokenizer, settings["layout"])
     stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
                          batch_size=settings["batch_size"], seed=settings["seed"], trainer=settings["trainer"],
-                         batching=settings["batching"], attention=settings["attn_implementation"])
+                         batching=settings["batching"], attention=settings["attn_implementation"],
+                         prompts=prompt_lengths(rows, tokenizer))
     with atomic(png_out) as tmp:
         plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)

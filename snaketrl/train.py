@@ -264,7 +264,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[counter, *(callbacks or [])], **extra)
-    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops_long else 0
+    # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
+    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
@@ -278,7 +279,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     training_samples.attach(trainer, samples, run["name"])
     metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     metrics.update(counter.summary())
-    if spec.drops_long:
+    if dropped is not None:
         metrics["examples_dropped"] = dropped
     if spec.evaluates:
         metrics.update(trainer.evaluate())

@@ -29,7 +29,9 @@ class Trainer:
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
     batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.lengths.STRATEGIES)
     batching_note: str = ""  # why it has no other strategy: the histogram JSON and the report say so
-    drops_long: bool = False  # drops examples longer than max_length instead of truncating them
+    # Examples TRL drops instead of truncating: "long" (longer than max_length), "long_prompt" (a prompt alone
+    # fills max_length, leaving no completion token to learn from; unpacked only).
+    drops: str = ""
 
     @property
     def model_class(self) -> str:
@@ -46,11 +48,12 @@ PAIRS = ("padded", "grouped")
 REGISTRY: dict[str, Trainer] = {
     "sft": Trainer("trl:SFTConfig", "trl:SFTTrainer", "language_modeling",
                    headline=("mean_token_accuracy", "eval_mean_token_accuracy"),
-                   batching=("padded", "grouped", "packed")),
+                   batching=("padded", "grouped", "packed"), drops="long_prompt"),
     "dpo": Trainer("trl:DPOConfig", "trl:DPOTrainer", "preference",
-                   headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"), batching=PAIRS),
+                   headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"), batching=PAIRS,
+                   drops="long_prompt"),
     "reward": Trainer("trl:RewardConfig", "trl:RewardTrainer", "preference", task_type="SEQ_CLS",
-                      headline=("accuracy", "eval_accuracy", "margin"), batching=PAIRS, drops_long=True),
+                      headline=("accuracy", "eval_accuracy", "margin"), batching=PAIRS, drops="long"),
     "grpo": Trainer("trl:GRPOConfig", "trl:GRPOTrainer", **ONLINE),
     "rloo": Trainer("trl:RLOOConfig", "trl:RLOOTrainer", **ONLINE),
     # TRL's PPOTrainer, made resumable (snaketrl.ppo)

@@ -29,9 +29,11 @@ def _inputs(tmp_path, config, model_dir, trainer, dataset, layout, n_train, keep
                    "out_dir": tmp_path / "out", "checkpoint_dir": tmp_path / "ckpt"}
 
 
-def test_sft_counts_every_token_trl_counts(config, tiny_model_dir, tmp_path):
-    stats, inputs = _inputs(tmp_path, config, tiny_model_dir, "sft", "tldr", "language_modeling", 64)
-    assert stats["batching"]["strategy"] == "grouped"
+def test_sft_counts_every_token_trl_counts_and_drops_what_the_histogram_counted(config, tiny_model_dir, tmp_path):
+    # max_length below some prompts' lengths: TRL drops those examples (nothing of their completion is left).
+    stats, inputs = _inputs(tmp_path, config, tiny_model_dir, "sft", "tldr", "language_modeling", 64,
+                            keep_share=0.3, round_to=1, batching="grouped")
+    assert 0 < stats["dropped"] < 64
     metrics = train_run(**inputs)
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     # TRL counts the batches' attention-mask tokens itself (num_tokens, cumulative): the same real tokens.
@@ -39,6 +41,7 @@ def test_sft_counts_every_token_trl_counts(config, tiny_model_dir, tmp_path):
     assert metrics["token_efficiency"] == metrics["real_tokens"] / metrics["processed_tokens"]
     assert 0.8 < metrics["token_efficiency"] < 1 and metrics["real_tokens_per_second"] > 0
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["token_efficiency"] == metrics["token_efficiency"]
+    assert metrics["examples_dropped"] == stats["dropped"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["trl_args"]["train_sampling_strategy"] == "group_by_length"
 
