@@ -45,15 +45,18 @@ def load_config(path: Path) -> tuple[dict, dict]:
 
 def base_model(config: dict, name: str, work: Path) -> Path:
     """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
+    import contextlib
+
     from snaketrl.models import build_tiny_from_files, pretrain_model
 
     tiny = config["models"][name]["tiny"]
     init, out = work / "models" / f"{name}-init", work / "models" / name
     if not out.is_dir():
-        build_tiny_from_files(tiny, tiny["corpus"], init, seed=config["seed"], threads=1)
-        pretrain_model(init, tiny["corpus"], out, work / "models" / f"{name}-state.json",
-                       work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
-                       threads=1)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
+            build_tiny_from_files(tiny, tiny["corpus"], init, seed=config["seed"], threads=1)
+            pretrain_model(init, tiny["corpus"], out, work / "models" / f"{name}-state.json",
+                           work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
+                           threads=1)
     return out
 
 

@@ -8,6 +8,7 @@ import random
 import numpy as np
 
 from snaketrl.data import is_conversational
+from snaketrl.errors import DataError
 from snaketrl.trainers import REGISTRY
 
 PERCENTILES = (50, 90, 95, 99, 100)
@@ -194,10 +195,8 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
     elif drops == "long_prompt" and prompts is not None:
         kept = prompts < max_length
     if not kept.any():
-        from snaketrl.errors import DataError
-
-        raise DataError(f"every example is longer than max_length={max_length} (the model's {cap} positions), "
-                        f"and trainer '{trainer}' drops such examples: nothing would be left to train on")
+        raise DataError(f"trainer '{trainer}' drops every example at max_length={max_length} (the model has {cap} "
+                        f"positions): nothing would be left to train on")
     real = np.minimum(per_row[kept], max_length).sum(axis=1)
     efficiency = strategy_efficiencies(longest[kept], real, max_length, batch_size, seed, rows=per_row.shape[1])
     stats = {
@@ -265,7 +264,8 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
     stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
                          batch_size=settings["batch_size"], seed=settings["seed"], trainer=settings["trainer"],
                          batching=settings["batching"], attention=settings["attn_implementation"],
-                         prompts=prompt_lengths(rows, tokenizer))
+                         prompts=prompt_lengths(rows, tokenizer) if REGISTRY[settings["trainer"]].drops == "long_prompt"
+                         else None)
     with atomic(png_out) as tmp:
         plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)

@@ -232,7 +232,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     checkpoint_dir = Path(checkpoint_dir)
     # Histograms written before the length stage chose a batching train as TRL does by default.
     batching = lengths.get("batching", {}).get("args", {})
-    check_args(run["trainer"], run["args"], run["name"])
+    check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
     check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
                       seed=run["seed"], run=run["name"], batching=batching)
