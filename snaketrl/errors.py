@@ -4,6 +4,8 @@ Rule scripts catch these (snaketrl.smk.logged) and print `snaketrl: <message>`; 
 and keeps its traceback in the rule's log.
 """
 
+import difflib
+
 
 class SnaketrlError(Exception):
     """An error in the user's input (config, data, environment), worded for the user."""
@@ -19,3 +21,10 @@ class DataError(SnaketrlError, ValueError):
 
 class HubUnreachable(SnaketrlError, RuntimeError):
     pass
+
+
+def did_you_mean(name: str, known) -> str:
+    """`; did you mean 'x'?` for the closest of `known`, or "" when none is close: the hint every
+    "unknown name" message ends with."""
+    match = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean '{match[0]}'?" if match else ""

@@ -7,12 +7,11 @@ snaketrl.evaluate does the work in the jobs.
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import re
 from pathlib import Path
 
-from snaketrl.errors import ConfigError, DataError
+from snaketrl.errors import ConfigError, DataError, did_you_mean
 from snaketrl.rewards import BUILTINS
 from snaketrl.trainers import REGISTRY
 
@@ -155,8 +154,8 @@ def _with_defaults(section: dict) -> dict:
 
 
 def _close(name: str, pool) -> str:
-    match = difflib.get_close_matches(name, list(pool), n=1)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    hint = did_you_mean(name, pool)
+    return f" ({hint[2:]})" if hint else ""
 
 
 def _check_kind(ev: dict, kind: str, datasets: dict, where: str) -> None:

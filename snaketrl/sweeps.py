@@ -7,11 +7,10 @@ Snakefile runs it at parse time through snaketrl.config.check. The report part i
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
 
-from snaketrl.errors import ConfigError
+from snaketrl.errors import ConfigError, did_you_mean
 from snaketrl.trainers import REGISTRY
 
 # A swept value becomes part of the run name, so of paths and wildcards.
@@ -34,9 +33,8 @@ def check_sweeps(config: dict, runs: dict[str, dict]) -> None:
         fields = init_fields(dotted)
         for key, values in grid.items():
             if fields is not None and key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ConfigError(f"{where}.{key}: not a field of {dotted.replace(':', '.')}{hint}")
+                raise ConfigError(f"{where}.{key}: not a field of {dotted.replace(':', '.')}"
+                                  f"{did_you_mean(key, fields)}")
             if key in OWNED:
                 raise ConfigError(f"{where}.{key}: set by {OWNED[key]}, it cannot be swept")
             if key == "seed":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import logging
@@ -11,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from snaketrl.config import BATCHING_FIELDS
-from snaketrl.errors import ConfigError
+from snaketrl.errors import ConfigError, did_you_mean
 from snaketrl.data import read_jsonl
 from snaketrl.distributed import SHARDED
 from snaketrl.trainers import MODEL_CLASSES, REGISTRY, load
@@ -29,9 +28,8 @@ def check_args(trainer: str, args: dict, run: str = "?") -> type:
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     for key in args:
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"config: run '{run}': '{key}' is not a field of trl.{cls.__name__}{hint}")
+            raise ConfigError(f"config: run '{run}': '{key}' is not a field of trl.{cls.__name__}"
+                              f"{did_you_mean(key, fields)}")
         if key in OWNED:
             raise ConfigError(f"config: run '{run}': '{key}' is set by {OWNED[key]}, not in args")
     return cls
