@@ -99,6 +99,39 @@ def batch_efficiency(padded: np.ndarray, real: np.ndarray, batch_size: int, orde
     return float(real.sum() / (rows * (np.maximum.reduceat(padded, starts) * sizes).sum()))
 
 
+# A second forward pass costs its own overhead: a batch is cut in two only if that saves this share of its tokens.
+MIN_ROW_SPLIT_GAIN = 0.05
+
+
+def row_groups(widths: list[int]) -> list[list[int]]:
+    """A batch's rows (indices into `widths`, their real lengths) in one or two groups, each to be padded
+    to its own longest row: sorted by length and cut where the two groups process the fewest tokens, if that
+    saves at least MIN_ROW_SPLIT_GAIN. A preference batch otherwise pads every pair's chosen and rejected
+    rows to the longest of all of them."""
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    ordered = [widths[i] for i in order]
+    n = len(order)
+    whole = best = n * ordered[-1]
+    cut = n
+    for k in range(1, n):
+        cost = k * ordered[k - 1] + (n - k) * ordered[-1]
+        if cost < best:
+            best, cut = cost, k
+    return [order[:cut], order[cut:]] if best <= (1 - MIN_ROW_SPLIT_GAIN) * whole else [order]
+
+
+def split_efficiency(per_row: np.ndarray, batch_size: int, order) -> float:
+    """Real / processed tokens when each batch's rows (`per_row`: an example's rows after truncation, taken in
+    `order`) are padded in their row_groups instead of all to the batch's longest."""
+    real = processed = 0
+    order = np.asarray(order, dtype=np.int64)
+    for start in range(0, len(order), batch_size):
+        widths = per_row[order[start:start + batch_size]].T.ravel().tolist()  # the collator's row order
+        processed += sum(len(group) * max(widths[i] for i in group) for group in row_groups(widths))
+        real += sum(widths)
+    return real / processed
+
+
 def padding_share(lengths: np.ndarray, max_length: int, batch_size: int, seed: int, real: np.ndarray | None = None,
                   rows: int = 1) -> float:
     """Expected share of pad tokens when random batches are padded to their longest (truncated) member."""
@@ -163,18 +196,24 @@ def choose_batching(trainer: str, requested: str, attention: str | None, efficie
     args = dict(STRATEGY_ARGS[strategy])
     if strategy == "grouped" and spec.layout == "preference":
         args.update(PAIR_GROUPING)
-    return {"strategy": strategy, "requested": requested, "args": args, "reason": reason,
+    split = strategy == "grouped" and spec.split_rows
+    if split:
+        reason += ("; each batch's chosen and rejected rows are sorted by length and run in two forward passes, "
+                   "each padded to its own longest row (snaketrl.batching), not all to the batch's longest")
+    return {"strategy": strategy, "requested": requested, "args": args, "split_rows": split, "reason": reason,
             "expected_efficiency": efficiency[strategy], "padding_efficiency": efficiency["padded"]}
 
 
 def strategy_efficiencies(lengths: np.ndarray, real: np.ndarray, max_length: int, batch_size: int, seed: int,
-                          rows: int = 1) -> dict[str, float]:
-    """Expected real/processed tokens of each strategy: TRL's random batches, length-grouped batches, and
-    padding-free packing (every processed token is real: sequences are concatenated, not padded)."""
+                          rows: int = 1, split: np.ndarray | None = None) -> dict[str, float]:
+    """Expected real/processed tokens of each strategy: TRL's random batches, length-grouped batches (with
+    `split`, each example's truncated rows: their batch is padded in row groups), and padding-free packing
+    (every processed token is real: sequences are concatenated, not padded)."""
     clipped = np.minimum(lengths, max_length)
+    grouped = length_grouped_order(clipped, batch_size, seed)
     return {"padded": 1 - padding_share(lengths, max_length, batch_size, seed, real, rows),
-            "grouped": batch_efficiency(clipped, real, batch_size, length_grouped_order(clipped, batch_size, seed),
-                                        rows),
+            "grouped": (batch_efficiency(clipped, real, batch_size, grouped, rows) if split is None
+                        else split_efficiency(split, batch_size, grouped)),
             "packed": 1.0}
 
 
@@ -197,8 +236,10 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
     if not kept.any():
         raise DataError(f"trainer '{trainer}' drops every example at max_length={max_length} (the model has {cap} "
                         f"positions): nothing would be left to train on")
-    real = np.minimum(per_row[kept], max_length).sum(axis=1)
-    efficiency = strategy_efficiencies(longest[kept], real, max_length, batch_size, seed, rows=per_row.shape[1])
+    truncated = np.minimum(per_row[kept], max_length)
+    split = truncated if trainer and REGISTRY[trainer].split_rows else None
+    efficiency = strategy_efficiencies(longest[kept], truncated.sum(axis=1), max_length, batch_size, seed,
+                                       rows=per_row.shape[1], split=split)
     stats = {
         "n_examples": int(len(longest)),
         "mean": float(longest.mean()),

@@ -33,12 +33,13 @@ def last_value(history: list[dict], key: str):
 def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.DataFrame | None,
               metrics: dict | None = None) -> dict:
     history, metrics = state["log_history"], metrics or {}
+    batching = lengths.get("batching", {})
     row = {
         "run": run, "trainer": entry["trainer"], "model": entry["model"], "dataset": entry["dataset"],
         "max_length": lengths["max_length"], "truncated": lengths["share_truncated"],
         "dropped (too long)": lengths.get("dropped", 0),
-        "batching": lengths.get("batching", {}).get("strategy"),
-        "expected efficiency": lengths.get("batching", {}).get("expected_efficiency"),
+        "batching": batching.get("strategy", "") + (", 2 row groups" if batching.get("split_rows") else "") or None,
+        "expected efficiency": batching.get("expected_efficiency"),
         "token efficiency": metrics.get("token_efficiency"),
         "real tokens/s": metrics.get("real_tokens_per_second"),
         "steps": state["global_step"],

@@ -9,19 +9,20 @@ from transformers import TrainerCallback
 
 
 class TokenCounter(TrainerCallback):
-    """Counts, for every optimizer step, the tokens of the model's gradient-enabled forward passes: all of
-    them (batch x padded length, or a padding-free batch's packed length) and the real ones (its attention
-    mask, or without one the non-pad tokens: transformers' own `include_num_input_tokens_seen="non_padding"`
-    rule). Reference-model, generation and evaluation passes run without gradients and are not counted."""
+    """Counts, for every optimizer step, the tokens of the model's gradient-enabled forward passes: the real
+    ones (the batch's attention mask, or without one the non-pad tokens: transformers' own
+    `include_num_input_tokens_seen="non_padding"` rule) and all those the model embeds (batch x padded
+    length, a padding-free batch's packed length, or the row groups snaketrl.batching runs instead of the
+    batch). Reference-model, generation and evaluation passes run without gradients and are not counted."""
 
     def __init__(self, pad_token_id: int | None):
         self.pad_token_id = pad_token_id
         self.steps: list[dict] = []  # per optimizer step: real, processed, seconds
         self._real = self._processed = 0
         self._started = None
-        self._hook = None
+        self._hooks = []
 
-    def _count(self, module, args, kwargs):
+    def _count_real(self, module, args, kwargs):
         if not torch.is_grad_enabled():
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -30,10 +31,14 @@ class TokenCounter(TrainerCallback):
         mask = kwargs.get("attention_mask")
         real = mask.sum() if mask is not None and mask.dim() == 2 else (ids != self.pad_token_id).sum()
         self._real += int(real)
-        self._processed += ids.numel()
+
+    def _count_processed(self, module, args):
+        if torch.is_grad_enabled():
+            self._processed += args[0].numel()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._hooks = [model.register_forward_pre_hook(self._count_real, with_kwargs=True),
+                       _embeddings(model).register_forward_pre_hook(self._count_processed)]
         self._started = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -48,9 +53,9 @@ class TokenCounter(TrainerCallback):
         self._started = now
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def summary(self) -> dict:
         """token_efficiency (real / processed) and real tokens per second of training steps (evaluation,
@@ -61,3 +66,8 @@ class TokenCounter(TrainerCallback):
         return {"real_tokens": real, "processed_tokens": processed,
                 "token_efficiency": real / processed if processed else None,
                 "real_tokens_per_second": real / seconds if seconds else None}
+
+
+def _embeddings(model):
+    """The input embeddings of the model being trained (PPO's trainer holds the policy beside its value model)."""
+    return getattr(model, "policy", model).get_input_embeddings()

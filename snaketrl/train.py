@@ -209,6 +209,15 @@ def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     return {}
 
 
+def split_model_rows(trainer) -> None:
+    """Run the trainer's (and a separate reference model's) forward passes in row groups (snaketrl.batching)."""
+    from snaketrl.batching import split_rows
+
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            split_rows(model, trainer.args.pad_to_multiple_of)
+
+
 def with_lengths(dataset, tokenizer, layout: str, column: str):
     """`dataset` with each example's tokens (a pair's longer side) in `column`: TRL tokenizes preference
     pairs into columns the length-grouped sampler cannot measure, so it reads this one."""
@@ -230,6 +239,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     checkpoint_dir = Path(checkpoint_dir)
     # Histograms written before the length stage chose a batching train as TRL does by default.
     batching = lengths.get("batching", {}).get("args", {})
+    split = lengths.get("batching", {}).get("split_rows", False)
     check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
     check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
@@ -262,6 +272,11 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[counter, *(callbacks or [])], **extra)
+    if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
+        log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
+                    run["distributed"])
+    elif split:
+        split_model_rows(trainer)
     # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
     dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 

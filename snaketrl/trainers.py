@@ -32,6 +32,9 @@ class Trainer:
     # Examples TRL drops instead of truncating: "long" (longer than max_length), "long_prompt" (a prompt alone
     # fills max_length, leaving no completion token to learn from; unpacked only).
     drops: str = ""
+    # Grouped batches also run each batch's rows in two length groups (snaketrl.batching): its forward
+    # takes right-padded rows, each scored on its own (a causal LM's log-probs, a classifier's last token).
+    split_rows: bool = False
 
     @property
     def model_class(self) -> str:
@@ -51,9 +54,10 @@ REGISTRY: dict[str, Trainer] = {
                    batching=("padded", "grouped", "packed"), drops="long_prompt"),
     "dpo": Trainer("trl:DPOConfig", "trl:DPOTrainer", "preference",
                    headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"), batching=PAIRS,
-                   drops="long_prompt"),
+                   drops="long_prompt", split_rows=True),
     "reward": Trainer("trl:RewardConfig", "trl:RewardTrainer", "preference", task_type="SEQ_CLS",
-                      headline=("accuracy", "eval_accuracy", "margin"), batching=PAIRS, drops="long"),
+                      headline=("accuracy", "eval_accuracy", "margin"), batching=PAIRS, drops="long",
+                      split_rows=True),
     "grpo": Trainer("trl:GRPOConfig", "trl:GRPOTrainer", **ONLINE),
     "rloo": Trainer("trl:RLOOConfig", "trl:RLOOTrainer", **ONLINE),
     # TRL's PPOTrainer, made resumable (snaketrl.ppo)

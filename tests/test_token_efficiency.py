@@ -56,6 +56,16 @@ def test_reward_model_drops_the_pairs_the_histogram_counted(config, tiny_model_d
     assert metrics["token_efficiency"] == pytest.approx(stats["batching"]["expected_efficiency"], abs=0.1)
 
 
+def test_dpo_pairs_run_in_row_groups_as_the_histogram_expects(config, tiny_model_dir, tmp_path):
+    stats, inputs = _inputs(tmp_path, config, tiny_model_dir, "dpo", "ultrafeedback", "preference", 32,
+                            batching="grouped")
+    batching = stats["batching"]
+    assert batching["split_rows"] and batching["expected_efficiency"] > batching["padding_efficiency"] + 0.1
+    metrics = train_run(**inputs)  # 4 steps of 8: the whole epoch the histogram estimated
+    assert metrics["token_efficiency"] > batching["padding_efficiency"] + 0.1
+    assert metrics["token_efficiency"] == pytest.approx(batching["expected_efficiency"], abs=0.05)
+
+
 @pytest.mark.parametrize("args, entry, message", [
     ({"use_liger_kernel": True}, {}, r"^config: run 'sft-qwen2-tiny': use_liger_kernel needs a CUDA GPU"),
     ({"activation_offloading": True}, {}, r"^config: run 'sft-qwen2-tiny': activation_offloading moves activations "

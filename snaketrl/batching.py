@@ -1,0 +1,82 @@
+"""Preference batches run in two length groups: TRL's DPO and reward collators pad every chosen and rejected
+row of a batch to the longest of them (and TRL 1.12's DPO ignores padding_free), so a batch of long chosen and
+short rejected answers is half padding even when length-grouped."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from snaketrl.lengths import row_groups
+
+# Forward arguments whose outputs are not per row (caches, hidden states, losses over the whole batch): a
+# forward given any of them runs as one, as TRL calls it.
+WHOLE_BATCH = ("labels", "past_key_values", "output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def split_rows(model, pad_to_multiple_of: int | None = None):
+    """Make `model`'s forward run a right-padded batch (input_ids, attention_mask) as snaketrl.lengths.row_groups
+    says: each group trimmed to its longest row (rounded up to `pad_to_multiple_of`) and run on its own, and the
+    outputs put back in row order, padded to the batch's length (logits at padding positions are zeros: TRL
+    masks them). Exact up to float rounding: a row's real tokens see only themselves (causal attention, right
+    padding), and a trimmed column is padding in every row of its group. Returns `model`."""
+    forward = model.forward
+
+    def split_forward(self, *args, **kwargs):
+        groups = _groups(args, kwargs, pad_to_multiple_of)
+        if groups is None:
+            return forward(*args, **kwargs)
+        rows, length = kwargs["input_ids"].shape
+        outputs = []
+        for group, width in groups:
+            index = torch.tensor(group, device=kwargs["input_ids"].device)
+            part = {key: _rows_of(value, index, width, rows, length) for key, value in kwargs.items()}
+            outputs.append((len(group), width, forward(**part)))
+        order = torch.tensor([row for group, _ in groups for row in group], device=kwargs["input_ids"].device)
+        merged = {key: torch.cat([_padded(out[key], n, width, length, key) for n, width, out in outputs])[
+            torch.argsort(order)] for key in outputs[0][2].keys()}
+        return type(outputs[0][2])(**merged)
+
+    model.forward = types.MethodType(split_forward, model)
+    return model
+
+
+def _groups(args, kwargs, multiple):
+    """[(rows, width)] for a batch this forward can split, else None (one group, or inputs it cannot split)."""
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if args or ids is None or mask is None or ids.dim() != 2 or mask.shape != ids.shape:
+        return None
+    if any(kwargs.get(key) is not None and kwargs.get(key) is not False for key in WHOLE_BATCH):
+        return None
+    rows, length = ids.shape
+    for value in kwargs.values():  # any other tensor must be per row (position_ids), else run it whole
+        if torch.is_tensor(value) and value.shape[:1] != (rows,):
+            return None
+    # A row's end: one past its last real token (all of it for rows without padding).
+    ends = (mask.bool() * torch.arange(1, length + 1, device=mask.device)).amax(dim=1).tolist()
+    groups = row_groups(ends)
+    if len(groups) == 1:
+        return None
+    widths = [max(ends[i] for i in group) for group in groups]
+    if multiple:
+        widths = [min(length, -(-width // multiple) * multiple) for width in widths]
+    return list(zip(groups, widths))
+
+
+def _rows_of(value, index, width, rows, length):
+    if not torch.is_tensor(value):
+        return value
+    value = value.index_select(0, index)
+    return value[:, :width] if value.dim() >= 2 and value.shape[1] == length else value
+
+
+def _padded(value, n, width, length, key):
+    """One group's output, padded back to the batch's length where it has a sequence dimension."""
+    if not torch.is_tensor(value) or value.shape[:1] != (n,):
+        raise RuntimeError(f"snaketrl.batching.split_rows: the model's output '{key}' is not per row; "
+                           f"set length.batching to padded for this trainer")
+    if value.dim() >= 3 and value.shape[1] == width and width < length:  # (rows, tokens, ...): logits
+        return F.pad(value, (0, 0) * (value.dim() - 2) + (0, length - width))
+    return value
