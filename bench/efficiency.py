@@ -43,6 +43,19 @@ def load_config(path: Path) -> tuple[dict, dict]:
     return config, check(config)
 
 
+def corpus_file(config: dict, item: str, work: Path) -> str:
+    """A tiny model's corpus entry as a file: one naming a dataset of the config stands for its train split
+    as fetched (snaketrl.config.corpus_files; the workflow's get_dataset writes it), here under `work`."""
+    from snaketrl.data import fetch, write_jsonl
+
+    if item not in config["datasets"]:
+        return item
+    path = work / "corpus" / f"{item}.jsonl"
+    if not path.is_file():
+        write_jsonl(fetch(item, config["datasets"][item], config["seed"]).train, path)
+    return str(path)
+
+
 def base_model(config: dict, name: str, work: Path) -> Path:
     """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
     import contextlib
@@ -52,9 +65,10 @@ def base_model(config: dict, name: str, work: Path) -> Path:
     tiny = config["models"][name]["tiny"]
     init, out = work / "models" / f"{name}-init", work / "models" / name
     if not out.is_dir():
+        corpus = [corpus_file(config, item, work) for item in tiny["corpus"]]
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
-            build_tiny_from_files(tiny, tiny["corpus"], init, seed=config["seed"], threads=1)
-            pretrain_model(init, tiny["corpus"], out, work / "models" / f"{name}-state.json",
+            build_tiny_from_files(tiny, corpus, init, seed=config["seed"], threads=1)
+            pretrain_model(init, corpus, out, work / "models" / f"{name}-state.json",
                            work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
                            threads=1)
     return out

@@ -5,11 +5,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from snaketrl.lengths import batch_efficiency, length_grouped_batches, length_grouped_order
-
-torch = pytest.importorskip("torch")
-from snaketrl.sampler import ShuffledLengthGroupedSampler, with_grouped_sampler  # noqa: E402
+from snaketrl.sampler import ShuffledLengthGroupedSampler
 
 
 def _skewed(n, seed=1):
