@@ -27,6 +27,10 @@ def test_a_permutation_reproducible_per_seed_and_epoch():
     order = _order(lengths)
     assert sorted(order) == list(range(41))
     assert _order(lengths) == order
+    # no state carried between passes: a resumed run (new process, set_epoch) replays the same epoch
+    sampler = ShuffledLengthGroupedSampler(8, lengths=lengths.tolist(), seed=3)
+    sampler.set_epoch(1)
+    assert list(sampler) == list(sampler) == _order(lengths, epoch=1)
     assert _order(lengths, epoch=1) != order and sorted(_order(lengths, epoch=1)) == list(range(41))
     assert _order(lengths, seed=4) != order
     # seed 3's second epoch is no other seed's first
