@@ -43,6 +43,19 @@ def load_config(path: Path) -> tuple[dict, dict]:
     return config, check(config)
 
 
+def corpus_file(config: dict, item: str, work: Path) -> str:
+    """A tiny model's corpus entry as a file: one naming a dataset of the config stands for its train split
+    as fetched (snaketrl.config.corpus_files; the workflow's get_dataset writes it), here under `work`."""
+    from snaketrl.data import fetch, write_jsonl
+
+    if item not in config["datasets"]:
+        return item
+    path = work / "corpus" / f"{item}.jsonl"
+    if not path.is_file():
+        write_jsonl(fetch(item, config["datasets"][item], config["seed"]).train, path)
+    return str(path)
+
+
 def base_model(config: dict, name: str, work: Path) -> Path:
     """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
     import contextlib
@@ -52,9 +65,10 @@ def base_model(config: dict, name: str, work: Path) -> Path:
     tiny = config["models"][name]["tiny"]
     init, out = work / "models" / f"{name}-init", work / "models" / name
     if not out.is_dir():
+        corpus = [corpus_file(config, item, work) for item in tiny["corpus"]]
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
-            build_tiny_from_files(tiny, tiny["corpus"], init, seed=config["seed"], threads=1)
-            pretrain_model(init, tiny["corpus"], out, work / "models" / f"{name}-state.json",
+            build_tiny_from_files(tiny, corpus, init, seed=config["seed"], threads=1)
+            pretrain_model(init, corpus, out, work / "models" / f"{name}-state.json",
                            work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
                            threads=1)
     return out
@@ -78,6 +92,25 @@ def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
     return out / "train.jsonl", out / "eval.jsonl"
 
 
+def cpu_clock():
+    """A callback timing the training loop in CPU seconds of this process: with one torch thread, other load
+    on a shared machine barely changes it, while it stretches wall time."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class CpuClock(TrainerCallback):
+        seconds = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.process_time()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.seconds = time.process_time() - self.started
+
+    return CpuClock()
+
+
 def worker(job_file: str) -> None:
     """One epoch of one (run, seed, strategy): length stage, then training; prints one JSON line."""
     from snaketrl.lengths import histogram
@@ -88,14 +121,16 @@ def worker(job_file: str) -> None:
     stats = histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
                       job["run"]["name"])
     run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **EPOCH}}
+    clock = cpu_clock()
     metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
                         lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
-                        threads=job["threads"])
+                        threads=job["threads"], callbacks=[clock])
     print("RESULT " + json.dumps({
         "strategy": stats["batching"]["strategy"], "expected": stats["batching"]["expected_efficiency"],
         "max_length": stats["max_length"], "examples": stats["n_examples"],
         "efficiency": metrics["token_efficiency"], "tokens_per_s": metrics["real_tokens_per_second"],
-        "epoch_s": metrics["train_runtime"], "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "epoch_s": metrics["train_runtime"], "epoch_cpu_s": clock.seconds,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "eval_loss": metrics["eval_loss"],
         "steps": json.loads((work / "out" / "trainer_state.json").read_text())["global_step"]}), flush=True)
 
@@ -121,7 +156,7 @@ def report(name: str, results: dict[str, list[dict]]) -> list[str]:
     """Markdown rows of one run: each strategy, then the ratios of each non-default one to TRL's default."""
     def mean(strategy, key):
         values = [r[key] for r in results[strategy]]
-        best = {"tokens_per_s": max, "epoch_s": min, "rss_mb": max}.get(key)
+        best = {"tokens_per_s": max, "epoch_s": min, "epoch_cpu_s": min, "rss_mb": max}.get(key)
         return best(values) if best else statistics.fmean(values)
 
     rows = []
@@ -130,6 +165,7 @@ def report(name: str, results: dict[str, list[dict]]) -> list[str]:
         rows.append(f"| {name} | {r['strategy']}{' (auto)' if requested == 'auto' else ''} | {r['examples']} | "
                     f"{r['max_length']} | {r['expected']:.3f} | {mean(requested, 'efficiency'):.3f} | "
                     f"{mean(requested, 'tokens_per_s'):.0f} | {mean(requested, 'epoch_s'):.1f} | "
+                    f"{mean(requested, 'epoch_cpu_s'):.1f} | "
                     f"{mean(requested, 'rss_mb'):.0f} | {spread([x['eval_loss'] for x in rs])} |")
     base = "padded"
     for requested in results:
@@ -141,6 +177,7 @@ def report(name: str, results: dict[str, list[dict]]) -> list[str]:
                     f"{mean(requested, 'efficiency') / mean(base, 'efficiency'):.2f}× | "
                     f"{mean(requested, 'tokens_per_s') / mean(base, 'tokens_per_s'):.2f}× | "
                     f"{mean(requested, 'epoch_s') / mean(base, 'epoch_s'):.2f}× | "
+                    f"{mean(requested, 'epoch_cpu_s') / mean(base, 'epoch_cpu_s'):.2f}× | "
                     f"{mean(requested, 'rss_mb') / mean(base, 'rss_mb'):.2f}× | "
                     f"{statistics.fmean(loss) - statistics.fmean(noise):+.3f}"
                     f"{f' (seeds: ±{(max(noise) - min(noise)) / 2:.3f})' if len(noise) > 1 else ''} |")
@@ -172,7 +209,7 @@ def main() -> None:
     config, runs = load_config(configfile)
     names = opts.runs or [n for n, r in runs.items() if len(REGISTRY[r["trainer"]].batching) > 1]
     table = ["| run | batching | examples | max_length | expected efficiency | token efficiency | real tokens/s | "
-             "epoch (s) | peak RSS (MB) | eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "epoch (s) | epoch CPU (s) | peak RSS (MB) | eval loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         run = runs[name]
         model_dir = base_model(config, run["model"], opts.work)

@@ -141,23 +141,38 @@ def padding_share(lengths: np.ndarray, max_length: int, batch_size: int, seed: i
     return 1 - batch_efficiency(clipped, clipped if real is None else real, batch_size, order, rows)
 
 
-def length_grouped_order(lengths: np.ndarray, batch_size: int, seed: int = 0, perm=None) -> np.ndarray:
-    """The order of transformers' LengthGroupedSampler (trainer_pt_utils.get_length_grouped_indices): a random
-    permutation cut into mega-batches of up to 50 batches, each sorted longest first. Rewritten in numpy
-    because the length stage runs without torch; its swap of the longest example to the front is left out
-    (it moves one example)."""
-    mult = max(1, min(len(lengths) // (batch_size * 4), 50))
-    if perm is None:
-        perm = np.random.default_rng(seed).permutation(len(lengths))
-    megas = [perm[i:i + mult * batch_size] for i in range(0, len(perm), mult * batch_size)]
-    return np.concatenate([m[np.argsort(-lengths[m], kind="stable")] for m in megas])
+# Batches per mega-batch of snaketrl's length-grouped sampler (transformers' cap, without its n / (4 x batch)
+# limit, which leaves datasets of fewer than 8 batches ungrouped).
+MEGA_BATCHES = 50
+
+
+def length_grouped_batches(lengths: np.ndarray, batch_size: int, perm) -> list[np.ndarray]:
+    """The batches of snaketrl's length-grouped sampler (snaketrl.sampler), before it shuffles their order:
+    the permutation `perm` cut into mega-batches of MEGA_BATCHES batches (a smaller dataset is one mega-batch),
+    each sorted longest first (stable, as transformers' sort) and cut into batches. Only the last batch can be
+    short. Plain numpy: the length stage estimates with it and runs without torch."""
+    perm = np.asarray(perm, dtype=np.int64)
+    size = MEGA_BATCHES * batch_size
+    batches = []
+    for start in range(0, len(perm), size):
+        mega = perm[start:start + size]
+        mega = mega[np.argsort(-lengths[mega], kind="stable")]
+        batches += [mega[i:i + batch_size] for i in range(0, len(mega), batch_size)]
+    return batches
+
+
+def length_grouped_order(lengths: np.ndarray, batch_size: int, seed: int = 0) -> np.ndarray:
+    """An order of the examples whose batches are those snaketrl's sampler forms (the batches' order, which
+    it shuffles, changes no batch's padding)."""
+    perm = np.random.default_rng(seed).permutation(len(lengths))
+    return np.concatenate(length_grouped_batches(lengths, batch_size, perm))
 
 
 # What each strategy sets in the trainer's TRL config (preference pairs: tokenized by TRL into columns the
 # sampler cannot measure, so training adds their lengths as a column, which must survive unused-column removal).
 STRATEGY_ARGS = {
     "padded": {},
-    "grouped": {"train_sampling_strategy": "group_by_length"},
+    "grouped": {"train_sampling_strategy": "group_by_length"},  # snaketrl.sampler's sampler
     "packed": {"packing": True, "packing_strategy": "bfd"},
 }
 PAIR_GROUPING = {"remove_unused_columns": False, "length_column_name": "snaketrl_length"}
@@ -188,7 +203,7 @@ def choose_batching(trainer: str, requested: str, attention: str | None, efficie
                   f"would gain less than {MIN_GAIN:.0%}")
     else:
         strategy = "grouped"
-        reason = "batches grouped by length (transformers' LengthGroupedSampler) pad only to their neighbours"
+        reason = "batches grouped by length (snaketrl.sampler, batch order shuffled) pad only to their neighbours"
         if "packed" in options:
             reason += (f"; packing would be exact but flattens each batch into one sequence, and with "
                        f"{attention or 'the default (sdpa)'} attention that sequence's attention cost grows with "

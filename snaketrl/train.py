@@ -269,6 +269,10 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                              for ds in (train_ds, eval_ds))
     counter = TokenCounter(tokenizer.pad_token_id)
     trainer_cls = load(spec.trainer)
+    if batching.get("train_sampling_strategy") == "group_by_length":
+        from snaketrl.sampler import with_grouped_sampler
+
+        trainer_cls = with_grouped_sampler(trainer_cls)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[counter, *(callbacks or [])], **extra)

@@ -10,7 +10,7 @@ from conftest import ROOT
 from snaketrl.config import ConfigError, check
 from snaketrl.data import preprocess, read_jsonl
 from snaketrl.lengths import (PAIR_GROUPING, STRATEGY_ARGS, VARLEN_ATTENTION, batch_efficiency, choose_batching,
-                              length_grouped_order, length_stats, row_groups, sequence_lengths, split_efficiency)
+                              length_stats, row_groups, sequence_lengths, split_efficiency)
 
 
 def _rows(name, trainer, layout, n):
@@ -118,10 +118,11 @@ def _dpo_logps(model_dir, rows, tmp_path, strategy):
     from trl import DPOTrainer
     from trl.trainer.utils import selective_log_softmax
 
+    from snaketrl.sampler import with_grouped_sampler
     from snaketrl.train import build_args, prepare_tokenizer, with_lengths
 
     batching = {**STRATEGY_ARGS[strategy], **(PAIR_GROUPING if strategy == "grouped" else {})}
-    # Batches of 2: transformers sorts mega-batches of min(n / (4 x batch), 50) batches, here 2.
+    # Batches of 2: snaketrl's sampler (as training uses it) sorts all 16 pairs, then shuffles the batches.
     args = build_args("dpo", {"per_device_train_batch_size": 2, "activation_checkpointing": False},
                       output_dir=str(tmp_path / strategy), max_length=128, seed=0, batching=batching)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -130,7 +131,7 @@ def _dpo_logps(model_dir, rows, tmp_path, strategy):
     data = Dataset.from_list(rows)
     if strategy == "grouped":
         data = with_lengths(data, tok, "preference", args.length_column_name)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    trainer = with_grouped_sampler(DPOTrainer)(model=model, args=args, train_dataset=data, processing_class=tok)
     logps, processed = {}, 0
     for batch in trainer.get_train_dataloader():
         seen = _captured_forward(trainer, batch)
@@ -219,20 +220,6 @@ def test_row_groups_cut_where_padding_is_least():
     assert batch_efficiency(per_row.max(axis=1), per_row.sum(axis=1), 2, [0, 1], rows=2) == pytest.approx(24 / 40)
 
 
-def test_length_grouped_order_is_transformers_sampler():
-    import torch
-    from transformers.trainer_pt_utils import get_length_grouped_indices
-
-    lengths = np.random.default_rng(1).integers(5, 400, size=300)
-    theirs = get_length_grouped_indices(lengths.tolist(), 8, generator=torch.Generator().manual_seed(3))
-    ours = length_grouped_order(lengths, 8, perm=torch.randperm(300, generator=torch.Generator().manual_seed(3)).numpy())
-    # transformers then swaps the longest example to the front (one example moves; left out here).
-    moved = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
-    assert len(moved) <= 2 and sorted(ours) == list(range(300))
-    assert batch_efficiency(lengths, lengths, 8, ours) == pytest.approx(batch_efficiency(lengths, lengths, 8, theirs),
-                                                                        abs=0.01)
-
-
 def test_efficiency_counts_pairs_and_padding():
     # Batches of 2: [2, 6] twice -> 16 real of 24 processed; grouped [2, 2], [6, 6] -> none padded.
     lengths = np.array([2, 6, 2, 6])
@@ -243,13 +230,13 @@ def test_efficiency_counts_pairs_and_padding():
 
 
 def test_choice_per_trainer_and_attention():
-    # Random batches of 8 mostly hold a 200-token example: about 105 / 200 real. Sorted mega-batches of 96
-    # mix the two lengths in about one batch each.
-    lengths = np.array([10, 200] * 200)
+    # Random batches of 8 mostly hold a 200-token example: about 105 / 200 real. Sorted mega-batches of 400
+    # (snaketrl.sampler) mix the two lengths in about one batch each: 3 of 125 batches.
+    lengths = np.array([10, 200] * 500)
     stats = length_stats(lengths, keep_share=1.0, round_to=8, cap=None, batch_size=8, seed=0, trainer="sft")
     b = stats["batching"]
     assert b["strategy"] == "grouped" and b["args"] == {"train_sampling_strategy": "group_by_length"}
-    assert b["expected_efficiency"] == pytest.approx(0.902, abs=0.001)
+    assert b["expected_efficiency"] == pytest.approx(0.993, abs=0.001)
     assert b["padding_efficiency"] == pytest.approx(0.525, abs=0.001)
     assert b["padding_efficiency"] == pytest.approx(1 - stats["padding_share"])
     packed = choose_batching("sft", "auto", "flash_attention_2", {"padded": 0.6, "grouped": 0.95, "packed": 1.0})
