@@ -1,6 +1,6 @@
-"""Preference batches run in two length groups: TRL's DPO and reward collators pad every chosen and rejected
-row of a batch to the longest of them (and TRL 1.12's DPO ignores padding_free), so a batch of long chosen and
-short rejected answers is half padding even when length-grouped."""
+"""Batches run in two length groups of rows: TRL's collators pad every row of a batch to its longest (a
+preference batch's chosen and rejected rows too, and TRL 1.12's DPO ignores padding_free), so a batch of long
+chosen and short rejected answers is half padding even when length-grouped."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ import torch.nn.functional as F
 
 from snaketrl.lengths import row_groups
 
-# Forward arguments whose outputs are not per row (caches, hidden states, losses over the whole batch): a
-# forward given any of them runs as one, as TRL calls it.
-WHOLE_BATCH = ("labels", "past_key_values", "output_hidden_states", "output_attentions", "output_router_logits")
+# Forward arguments whose outputs are not per row (caches, hidden states, router losses): a forward given any
+# of them runs as one, as TRL calls it.
+WHOLE_BATCH = ("past_key_values", "output_hidden_states", "output_attentions", "output_router_logits")
 
 
 def split_rows(model, pad_to_multiple_of: int | None = None):
     """Make `model`'s forward run a right-padded batch (input_ids, attention_mask) as snaketrl.lengths.row_groups
     says: each group trimmed to its longest row (rounded up to `pad_to_multiple_of`) and run on its own, and the
     outputs put back in row order, padded to the batch's length (logits at padding positions are zeros: TRL
-    masks them). Exact up to float rounding: a row's real tokens see only themselves (causal attention, right
-    padding), and a trimmed column is padding in every row of its group. Returns `model`."""
+    masks them). With `labels`, the loss is the groups' losses recombined as the whole batch's: summed when
+    divided by the batch's `num_items_in_batch`, else weighted by each group's label tokens. Exact up to float
+    rounding: a row's real tokens see only themselves (causal attention, right padding), and a trimmed column
+    is padding in every row of its group. Returns `model`."""
     forward = model.forward
 
     def split_forward(self, *args, **kwargs):
@@ -35,8 +37,16 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
             part = {key: _rows_of(value, index, width, rows, length) for key, value in kwargs.items()}
             outputs.append((len(group), width, forward(**part)))
         order = torch.tensor([row for group, _ in groups for row in group], device=kwargs["input_ids"].device)
-        merged = {key: torch.cat([_padded(out[key], n, width, length, key) for n, width, out in outputs])[
-            torch.argsort(order)] for key in outputs[0][2].keys()}
+        merged = {}
+        for key in outputs[0][2].keys():
+            values = [out[key] for _, _, out in outputs]
+            if key == "loss":
+                merged[key] = _loss(values, groups, kwargs)
+            elif values[0].dim() == 0 and (key.startswith("num_") or key.endswith("_sum")):
+                merged[key] = sum(values)  # token counts and sums (TRL's chunked loss: correct tokens, entropy)
+            else:
+                merged[key] = torch.cat([_padded(value, n, width, length, key)
+                                         for value, (n, width, _) in zip(values, outputs)])[torch.argsort(order)]
         return type(outputs[0][2])(**merged)
 
     model.forward = types.MethodType(split_forward, model)
@@ -51,8 +61,8 @@ def _groups(args, kwargs, multiple):
     if any(kwargs.get(key) is not None and kwargs.get(key) is not False for key in WHOLE_BATCH):
         return None
     rows, length = ids.shape
-    for value in kwargs.values():  # any other tensor must be per row (position_ids), else run it whole
-        if torch.is_tensor(value) and value.shape[:1] != (rows,):
+    for value in kwargs.values():  # any other tensor must be per row (labels) or a scalar, else run it whole
+        if torch.is_tensor(value) and value.dim() and value.shape[:1] != (rows,):
             return None
     # A row's end: one past its last real token (all of it for rows without padding).
     ends = (mask.bool() * torch.arange(1, length + 1, device=mask.device)).amax(dim=1).tolist()
@@ -65,8 +75,18 @@ def _groups(args, kwargs, multiple):
     return list(zip(groups, widths))
 
 
+def _loss(losses, groups, kwargs):
+    """The whole batch's causal-LM loss from its groups' (transformers' ForCausalLMLoss: a sum over label
+    tokens divided by num_items_in_batch, or without it their mean)."""
+    if kwargs.get("num_items_in_batch") is not None:
+        return sum(losses)
+    labels = kwargs["labels"][:, 1:] != -100
+    counts = [labels[group].sum() for group, _ in groups]
+    return sum(loss * count for loss, count in zip(losses, counts) if count) / sum(counts)
+
+
 def _rows_of(value, index, width, rows, length):
-    if not torch.is_tensor(value):
+    if not torch.is_tensor(value) or not value.dim():
         return value
     value = value.index_select(0, index)
     return value[:, :width] if value.dim() >= 2 and value.shape[1] == length else value

@@ -99,15 +99,15 @@ def batch_efficiency(padded: np.ndarray, real: np.ndarray, batch_size: int, orde
     return float(real.sum() / (rows * (np.maximum.reduceat(padded, starts) * sizes).sum()))
 
 
-# A second forward pass costs its own overhead: a batch is cut in two only if that saves this share of its tokens.
-MIN_ROW_SPLIT_GAIN = 0.05
+# A second forward pass costs its own overhead: a batch is cut in two only if that saves this many tokens.
+MIN_ROW_SPLIT_TOKENS = 32
 
 
 def row_groups(widths: list[int]) -> list[list[int]]:
     """A batch's rows (indices into `widths`, their real lengths) in one or two groups, each to be padded
     to its own longest row: sorted by length and cut where the two groups process the fewest tokens, if that
-    saves at least MIN_ROW_SPLIT_GAIN. A preference batch otherwise pads every pair's chosen and rejected
-    rows to the longest of all of them."""
+    saves at least MIN_ROW_SPLIT_TOKENS. A batch is otherwise padded to its longest row: a preference batch's
+    chosen and rejected rows too."""
     order = sorted(range(len(widths)), key=widths.__getitem__)
     ordered = [widths[i] for i in order]
     n = len(order)
@@ -117,7 +117,7 @@ def row_groups(widths: list[int]) -> list[list[int]]:
         cost = k * ordered[k - 1] + (n - k) * ordered[-1]
         if cost < best:
             best, cut = cost, k
-    return [order[:cut], order[cut:]] if best <= (1 - MIN_ROW_SPLIT_GAIN) * whole else [order]
+    return [order[:cut], order[cut:]] if whole - best >= MIN_ROW_SPLIT_TOKENS else [order]
 
 
 def split_efficiency(per_row: np.ndarray, batch_size: int, order) -> float:
@@ -213,8 +213,8 @@ def choose_batching(trainer: str, requested: str, attention: str | None, efficie
         args.update(PAIR_GROUPING)
     split = strategy == "grouped" and spec.split_rows
     if split:
-        reason += ("; each batch's chosen and rejected rows are sorted by length and run in two forward passes, "
-                   "each padded to its own longest row (snaketrl.batching), not all to the batch's longest")
+        reason += ("; each batch's rows are sorted by length and run in two forward passes, each padded to its "
+                   "own longest row (snaketrl.batching), not all to the batch's longest")
     return {"strategy": strategy, "requested": requested, "args": args, "split_rows": split, "reason": reason,
             "expected_efficiency": efficiency[strategy], "padding_efficiency": efficiency["padded"]}
 

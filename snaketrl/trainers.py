@@ -33,7 +33,8 @@ class Trainer:
     # fills max_length, leaving no completion token to learn from; unpacked only).
     drops: str = ""
     # Grouped batches also run each batch's rows in two length groups (snaketrl.batching): its forward
-    # takes right-padded rows, each scored on its own (a causal LM's log-probs, a classifier's last token).
+    # takes right-padded rows, each scored on its own (a causal LM's log-probs or loss, a classifier's last
+    # token).
     split_rows: bool = False
 
     @property
@@ -51,7 +52,7 @@ PAIRS = ("padded", "grouped")
 REGISTRY: dict[str, Trainer] = {
     "sft": Trainer("trl:SFTConfig", "trl:SFTTrainer", "language_modeling",
                    headline=("mean_token_accuracy", "eval_mean_token_accuracy"),
-                   batching=("padded", "grouped", "packed"), drops="long_prompt"),
+                   batching=("padded", "grouped", "packed"), drops="long_prompt", split_rows=True),
     "dpo": Trainer("trl:DPOConfig", "trl:DPOTrainer", "preference",
                    headline=("rewards/margins", "rewards/accuracies", "eval_rewards/accuracies"), batching=PAIRS,
                    drops="long_prompt", split_rows=True),

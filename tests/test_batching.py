@@ -156,8 +156,8 @@ def test_grouped_batches_give_the_same_dpo_logps(tiny_model_dir, tmp_path):
         assert grouped_logps[key] == pytest.approx((chosen, rejected), abs=1e-4)
 
 
-def _pair_trainer(trainer_name, model_dir, rows, tmp_path):
-    """A DPO or reward trainer on `rows` with TRL's default batches of 8, on a model without dropout."""
+def _batch_trainer(trainer_name, model_dir, rows, tmp_path):
+    """An SFT, DPO or reward trainer on `rows` with TRL's default batches of 8, on a model without dropout."""
     import transformers
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -175,16 +175,16 @@ def _pair_trainer(trainer_name, model_dir, rows, tmp_path):
     return load(spec.trainer)(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
 
 
-def _losses_and_grads(trainer, batches):
-    """Each batch's loss and the gradient it gives every weight, and the tokens the model embedded."""
-    import torch
-
+def _losses_and_grads(trainer, batches, items):
+    """Each batch's loss and the gradient it gives every weight, and the tokens the model embedded; `items`:
+    divide the loss by the batch's label tokens, as transformers' training step does (else their mean)."""
     model, embedded, out = trainer.model, [], []
     hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, a: embedded.append(a[0].numel()))
     try:
         for batch in batches:
             model.zero_grad()
-            loss = trainer.compute_loss(model, trainer._prepare_inputs(dict(batch)))
+            n = (batch["labels"][:, 1:] != -100).sum() if items else None
+            loss = trainer.compute_loss(model, trainer._prepare_inputs(dict(batch)), num_items_in_batch=n)
             loss.backward()
             out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     finally:
@@ -192,16 +192,19 @@ def _losses_and_grads(trainer, batches):
     return out, sum(embedded)
 
 
-@pytest.mark.parametrize("trainer_name, dataset", [("dpo", "ultrafeedback"), ("reward", "descriptiveness")])
-def test_row_groups_give_the_same_losses_and_gradients(trainer_name, dataset, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("trainer_name, dataset, layout, items", [
+    ("sft", "tldr", "language_modeling", False), ("sft", "tldr", "language_modeling", True),
+    ("dpo", "ultrafeedback", "preference", False), ("reward", "descriptiveness", "preference", False)])
+def test_row_groups_give_the_same_losses_and_gradients(trainer_name, dataset, layout, items, tiny_model_dir,
+                                                       tmp_path):
     from snaketrl.batching import split_rows
 
-    trainer = _pair_trainer(trainer_name, tiny_model_dir, _rows(dataset, trainer_name, "preference", 24), tmp_path)
+    trainer = _batch_trainer(trainer_name, tiny_model_dir, _rows(dataset, trainer_name, layout, 24), tmp_path)
     batches = list(trainer.get_train_dataloader())
-    whole, whole_tokens = _losses_and_grads(trainer, batches)
+    whole, whole_tokens = _losses_and_grads(trainer, batches, items)
     split_rows(trainer.model)
-    split, split_tokens = _losses_and_grads(trainer, batches)
-    assert len(split) == 3 and split_tokens < 0.9 * whole_tokens  # two shorter forwards per batch, not one
+    split, split_tokens = _losses_and_grads(trainer, batches, items)
+    assert len(split) == 3 and split_tokens < whole_tokens  # shorter forwards, not one padded to the longest row
     for (loss, grads), (split_loss, split_grads) in zip(whole, split):
         assert split_loss == pytest.approx(loss, abs=1e-5) and split_grads.keys() == grads.keys()
         for name, grad in grads.items():
@@ -209,15 +212,15 @@ def test_row_groups_give_the_same_losses_and_gradients(trainer_name, dataset, ti
 
 
 def test_row_groups_cut_where_padding_is_least():
-    # Sorted 2, 3, 9, 10: one group pads to 4 x 10 = 40; cut after 3: 2 x 3 + 2 x 10 = 26 (after 2: 32).
-    assert row_groups([2, 9, 3, 10]) == [[0, 2], [1, 3]]
-    # Sorted 9, 10, 10, 10: a cut after the 9 saves 1 of 40 tokens, under 5 %: one forward.
-    assert row_groups([10, 10, 9, 10]) == [[2, 0, 1, 3]]
-    assert row_groups([7]) == [[0]]
-    # Pairs (chosen, rejected) in batches of 2: [[9, 2], [3, 10]] -> rows 9, 3, 2, 10 -> 26 of 40 processed.
-    per_row = np.array([[9, 2], [3, 10]])
-    assert split_efficiency(per_row, 2, [0, 1]) == pytest.approx(24 / 26)
-    assert batch_efficiency(per_row.max(axis=1), per_row.sum(axis=1), 2, [0, 1], rows=2) == pytest.approx(24 / 40)
+    # Sorted 20, 30, 90, 100: one group pads to 4 x 100 = 400; cut after 30: 2 x 30 + 2 x 100 = 260.
+    assert row_groups([20, 90, 30, 100]) == [[0, 2], [1, 3]]
+    # Sorted 90, 100, 100, 100: a cut after the 90 saves 10 tokens, under MIN_ROW_SPLIT_TOKENS: one forward.
+    assert row_groups([100, 100, 90, 100]) == [[2, 0, 1, 3]]
+    assert row_groups([7]) == [[0]] and row_groups([0, 0]) == [[0, 1]]
+    # Pairs (chosen, rejected) in batches of 2: [[90, 20], [30, 100]] -> rows 90, 30, 20, 100 -> 260 processed.
+    per_row = np.array([[90, 20], [30, 100]])
+    assert split_efficiency(per_row, 2, [0, 1]) == pytest.approx(240 / 260)
+    assert batch_efficiency(per_row.max(axis=1), per_row.sum(axis=1), 2, [0, 1], rows=2) == pytest.approx(240 / 400)
 
 
 def test_efficiency_counts_pairs_and_padding():
@@ -231,12 +234,13 @@ def test_efficiency_counts_pairs_and_padding():
 
 def test_choice_per_trainer_and_attention():
     # Random batches of 8 mostly hold a 200-token example: about 105 / 200 real. Sorted mega-batches of 400
-    # (snaketrl.sampler) mix the two lengths in about one batch each: 3 of 125 batches.
+    # (snaketrl.sampler) mix the two lengths in about one batch each (3 of 125 batches: 0.993 real), and
+    # those run as two row groups, one per length.
     lengths = np.array([10, 200] * 500)
     stats = length_stats(lengths, keep_share=1.0, round_to=8, cap=None, batch_size=8, seed=0, trainer="sft")
     b = stats["batching"]
     assert b["strategy"] == "grouped" and b["args"] == {"train_sampling_strategy": "group_by_length"}
-    assert b["expected_efficiency"] == pytest.approx(0.993, abs=0.001)
+    assert b["split_rows"] and b["expected_efficiency"] == 1.0
     assert b["padding_efficiency"] == pytest.approx(0.525, abs=0.001)
     assert b["padding_efficiency"] == pytest.approx(1 - stats["padding_share"])
     packed = choose_batching("sft", "auto", "flash_attention_2", {"padded": 0.6, "grouped": 0.95, "packed": 1.0})
