@@ -5,7 +5,11 @@ Default mode: the full default matrix (or --configfile) against a one-job trivia
 trivial Snakefile of the same job count (one rule with a wildcard, `all` collecting its outputs): what the
 workflow's jobs cost beyond Snakemake's minimum per job. Prints both medians (wall and CPU time, the two
 dry runs taking turns), the job counts and the ratios. Parsing never imports torch/transformers/trl.
-Usage: python bench/dryrun.py [--configfile FILE | --runs N] [--repeats N]
+--floor (with --runs): a third Snakefile, the trivial one whose rule declares what each of ours must
+(log, conda env, script, resources growing with the attempt, a params function), still one input and
+one output per job: what Snakemake itself costs for those directives, the lowest ratio the workflow
+could reach.
+Usage: python bench/dryrun.py [--configfile FILE | --runs N [--floor]] [--repeats N]
 """
 
 import argparse
@@ -76,13 +80,32 @@ def trivial_snakefile(jobs: int) -> str:
             'rule one:\n    output: "out/{i}.txt"\n    shell: "touch {output}"\n')
 
 
+def floor_snakefile(jobs: int) -> str:
+    """trivial_snakefile's jobs, each declaring the directives every snaketrl rule has."""
+    return (f'rule all:\n    input: expand("out/{{i}}.txt", i=range({jobs - 1}))\n\n'
+            'rule one:\n    output: "out/{i}.txt"\n    log: "logs/{i}.log"\n    conda: "env.yaml"\n'
+            '    resources: mem_mb=lambda wc, attempt: 8000 * attempt\n'
+            '    params: settings=lambda wc: {"i": wc.i}\n    script: "one.py"\n')
+
+
+def write_snakefile(path: Path, text: str):
+    path.mkdir()
+    Path(path, "Snakefile").write_text(text)
+    Path(path, "one.py").write_text("")
+    Path(path, "env.yaml").write_text("dependencies: [python]\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--configfile")
     mode.add_argument("--runs", type=int, help="N runs: the default's trainers over N/5 tiny models")
+    ap.add_argument("--floor", action="store_true",
+                    help="with --runs: also time the trivial DAG with every rule's directives")
     ap.add_argument("--repeats", type=int, default=5)
     opts = ap.parse_args()
+    if opts.floor and not opts.runs:
+        ap.error("--floor needs --runs")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = list(DRY_RUN)
         if opts.runs:
@@ -92,19 +115,31 @@ def main():
         elif opts.configfile:
             cmd += ["--configfile", str(Path(opts.configfile).resolve())]
         samples = [dry_run(cmd, ROOT)]
+        jobs = samples[0][2] if opts.runs else 1
         trivial_dir = Path(tmp, "trivial")
         trivial_dir.mkdir()
-        Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(samples[0][2] if opts.runs else 1))
-        # Turns, so that a change in the machine's load touches both sides alike.
-        trivial_samples = [dry_run(DRY_RUN, trivial_dir)]
-        for _ in range(opts.repeats - 1):
-            samples.append(dry_run(cmd, ROOT))
-            trivial_samples.append(dry_run(DRY_RUN, trivial_dir))
+        Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(jobs))
+        floor_dir = Path(tmp, "floor")
+        if opts.floor:
+            write_snakefile(floor_dir, floor_snakefile(jobs))
+        # Turns, so that a change in the machine's load touches every side alike.
+        trivial_samples, floor_samples = [dry_run(DRY_RUN, trivial_dir)], []
+        for i in range(opts.repeats):
+            if opts.floor:
+                floor_samples.append(dry_run(DRY_RUN, floor_dir))
+            if i:
+                samples.append(dry_run(cmd, ROOT))
+                trivial_samples.append(dry_run(DRY_RUN, trivial_dir))
     (ours, ours_cpu, jobs), (trivial, trivial_cpu, trivial_jobs) = medians(samples), medians(trivial_samples)
     label = f"snaketrl, {opts.runs} runs" if opts.runs else "snaketrl"
     print(f"{'dry-run (median of ' + str(opts.repeats) + ')':<28}{'wall':>8}{'CPU':>8}{'jobs':>7}")
     print(f"{'trivial Snakefile':<28}{trivial:>7.2f}s{trivial_cpu:>7.2f}s{trivial_jobs:>7}")
+    if floor_samples:
+        floor, floor_cpu, floor_jobs = medians(floor_samples)
+        print(f"{'trivial + rule directives':<28}{floor:>7.2f}s{floor_cpu:>7.2f}s{floor_jobs:>7}")
     print(f"{label:<28}{ours:>7.2f}s{ours_cpu:>7.2f}s{jobs:>7}")
+    if floor_samples:
+        print(f"{'ratio, floor':<28}{floor / trivial:>7.2f}x{floor_cpu / trivial_cpu:>7.2f}x")
     print(f"{'ratio':<28}{ours / trivial:>7.2f}x{ours_cpu / trivial_cpu:>7.2f}x")
 
 

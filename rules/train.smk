@@ -20,7 +20,7 @@ rule train:
         gpu=0,
     params:
         run=run_of,
-        checkpoints=lambda wc: paths.checkpoints(wc.run),
+        checkpoints=paths.checkpoints("{run}"),
     script:
         "../scripts/train.py"
 

@@ -49,6 +49,13 @@ def test_scaled_dry_run_plans_each_runs_jobs_and_the_trivial_dag_as_many(tmp_pat
     trivial.mkdir()
     (trivial / "Snakefile").write_text(dryrun.trivial_snakefile(sum(counts.values())))
     assert sum(job_counts(trivial).values()) == sum(counts.values())
+    floor = tmp_path / "floor"
+    dryrun.write_snakefile(floor, dryrun.floor_snakefile(sum(counts.values())))
+    assert job_counts(floor) == {"one": sum(counts.values()) - 1, "all": 1}
+    # The floor's jobs carry what ours do: a log, a conda env, a script, resources by attempt, params.
+    proc = snakemake(floor, "-n", "--forceall", "out/3.txt", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "log: logs/3.log" in proc.stdout and "mem_mb=8000" in proc.stdout
 
 
 def test_a_model_name_holding_a_slash_still_resolves_to_its_own_jobs(tmp_path):
