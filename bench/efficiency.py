@@ -168,7 +168,7 @@ def report(name: str, results: dict[str, list[dict]]) -> list[str]:
                     f"{mean(requested, 'epoch_cpu_s'):.1f} | "
                     f"{mean(requested, 'rss_mb'):.0f} | {spread([x['eval_loss'] for x in rs])} |")
     base = "padded"
-    for requested in results:
+    for requested in results if base in results else ():  # ratios need TRL's default beside
         if requested == base or results[requested][0]["strategy"] == base:
             continue
         loss = [x["eval_loss"] for x in results[requested]]
