@@ -42,7 +42,9 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
             values = [out[key] for _, _, out in outputs]
             if key == "loss":
                 merged[key] = _loss(values, groups, kwargs)
-            elif values[0].dim() == 0 and (key.startswith("num_") or key.endswith("_sum")):
+            elif key == "past_key_values":  # a cache of one group's rows serves nothing; generation never splits
+                continue
+            elif torch.is_tensor(values[0]) and values[0].dim() == 0 and (key.startswith("num_") or key.endswith("_sum")):
                 merged[key] = sum(values)  # token counts and sums (TRL's chunked loss: correct tokens, entropy)
             else:
                 merged[key] = torch.cat([_padded(value, n, width, length, key)
