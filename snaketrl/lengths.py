@@ -213,8 +213,8 @@ def choose_batching(trainer: str, requested: str, attention: str | None, efficie
         args.update(PAIR_GROUPING)
     split = strategy == "grouped" and spec.split_rows
     if split:
-        reason += ("; each batch's rows are sorted by length and run in two forward passes, each padded to its "
-                   "own longest row (snaketrl.batching), not all to the batch's longest")
+        reason += (f"; each batch's rows run as two length groups, each padded to its own longest row, where "
+                   f"that saves at least {MIN_ROW_SPLIT_TOKENS} tokens (snaketrl.batching)")
     return {"strategy": strategy, "requested": requested, "args": args, "split_rows": split, "reason": reason,
             "expected_efficiency": efficiency[strategy], "padding_efficiency": efficiency["padded"]}
 
