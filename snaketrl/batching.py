@@ -37,6 +37,7 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
             part = {key: _rows_of(value, index, width, rows, length) for key, value in kwargs.items()}
             outputs.append((len(group), width, forward(**part)))
         order = torch.tensor([row for group, _ in groups for row in group], device=kwargs["input_ids"].device)
+        inverse = torch.argsort(order)  # concatenated group rows -> the batch's row order
         merged = {}
         for key in outputs[0][2].keys():
             values = [out[key] for _, _, out in outputs]
@@ -44,11 +45,11 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
                 merged[key] = _loss(values, groups, kwargs)
             elif key == "past_key_values":  # a cache of one group's rows serves nothing; generation never splits
                 continue
-            elif torch.is_tensor(values[0]) and values[0].dim() == 0 and (key.startswith("num_") or key.endswith("_sum")):
-                merged[key] = sum(values)  # token counts and sums (TRL's chunked loss: correct tokens, entropy)
+            elif _is_total(key, values[0]):
+                merged[key] = sum(values)
             else:
                 merged[key] = torch.cat([_padded(value, n, width, length, key)
-                                         for value, (n, width, _) in zip(values, outputs)])[torch.argsort(order)]
+                                         for value, (n, width, _) in zip(values, outputs)])[inverse]
         return type(outputs[0][2])(**merged)
 
     model.forward = types.MethodType(split_forward, model)
@@ -85,6 +86,12 @@ def _loss(losses, groups, kwargs):
     labels = kwargs["labels"][:, 1:] != -100
     counts = [labels[group].sum() for group, _ in groups]
     return sum(loss * count for loss, count in zip(losses, counts) if count) / sum(counts)
+
+
+def _is_total(key, value) -> bool:
+    """A scalar count or sum over the batch's tokens (TRL's chunked loss: correct tokens, entropy, valid tokens),
+    which the groups' values add up to."""
+    return torch.is_tensor(value) and value.dim() == 0 and (key.startswith("num_") or key.endswith("_sum"))
 
 
 def _rows_of(value, index, width, rows, length):

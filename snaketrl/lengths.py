@@ -317,11 +317,11 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
         lengths = np.stack(pair_lengths(rows, tokenizer), axis=1)
     else:
         lengths = sequence_lengths(rows, tokenizer, settings["layout"])
+    drops_prompts = REGISTRY[settings["trainer"]].drops == "long_prompt"
     stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
                          batch_size=settings["batch_size"], seed=settings["seed"], trainer=settings["trainer"],
                          batching=settings["batching"], attention=settings["attn_implementation"],
-                         prompts=prompt_lengths(rows, tokenizer) if REGISTRY[settings["trainer"]].drops == "long_prompt"
-                         else None)
+                         prompts=prompt_lengths(rows, tokenizer) if drops_prompts else None)
     with atomic(png_out) as tmp:
         plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)

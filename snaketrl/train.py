@@ -238,8 +238,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     lengths = json.loads(Path(lengths_file).read_text())
     checkpoint_dir = Path(checkpoint_dir)
     # Histograms written before the length stage chose a batching train as TRL does by default.
-    batching = lengths.get("batching", {}).get("args", {})
-    split = lengths.get("batching", {}).get("split_rows", False)
+    choice = lengths.get("batching", {})
+    batching, split = choice.get("args", {}), choice.get("split_rows", False)
     check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
     check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     args = build_args(run["trainer"], run["args"], output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
