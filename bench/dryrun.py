@@ -9,7 +9,10 @@ dry runs taking turns), the job counts and the ratios. Parsing never imports tor
 (log, conda env, script, resources growing with the attempt, a params function), still one input and
 one output per job: what Snakemake itself costs for those directives, the lowest ratio the workflow
 could reach.
-Usage: python bench/dryrun.py [--configfile FILE | --runs N [--floor]] [--repeats N]
+--engine (with --runs): both dry runs again without two of Snakemake's own per-job costs (patched in this
+benchmark's process only, never in the workflow): the script check repeated for every job, and the
+signature inspection of every function for every job. What a Snakemake fix would give.
+Usage: python bench/dryrun.py [--configfile FILE | --runs N [--floor] [--engine]] [--repeats N]
 """
 
 import argparse
@@ -95,6 +98,48 @@ def write_snakefile(path: Path, text: str):
     Path(path, "env.yaml").write_text("dependencies: [python]\n")
 
 
+# --engine: the dry run with two of Snakemake 9.27's own per-job costs taken away, in this benchmark's
+# process only (the workflow runs on Snakemake as released). ScriptProcessor re-reads a rule's script
+# for every job to check that it exists; get_function_params inspects the signature of every input,
+# params and resource function for every job. A script path without wildcards needs the check once a rule,
+# and a function's signature never changes.
+SCRIPT_ONCE = """
+import snakemake.dag as dag
+checked, check = set(), dag.ScriptProcessor.process_job
+def once(self, job):
+    key = (self.script_type, job.rule.name)
+    if key not in checked or "{" in str(getattr(job.rule, self.script_type)):
+        checked.add(key)
+        check(self, job)
+dag.ScriptProcessor.process_job = once
+"""
+SIGNATURES_CACHED = """
+import functools, inspect, snakemake.common as common, snakemake.io as io, snakemake.jobs as jobs
+import snakemake.resources as resources, snakemake.rules as rules
+signature = functools.lru_cache(maxsize=None)(lambda func: inspect.signature(func).parameters)
+def params(func):
+    if hasattr(func, common.FUNC_OVERWRITE_PARAMS_ATTR):
+        return getattr(func, common.FUNC_OVERWRITE_PARAMS_ATTR)
+    return signature(func)
+def aux_params(func, candidates):
+    names = params(func)
+    if any(p.kind == p.VAR_KEYWORD for p in names.values()):
+        return candidates
+    return {k: v for k, v in candidates.items() if k in names}
+for module in (common, rules, jobs):
+    module.get_function_params = params
+for module in (common, rules, resources, io):
+    module.get_input_function_aux_params = aux_params
+"""
+
+
+def patched(cmd, *patches):
+    """cmd (a `python -m snakemake` dry run) with patches applied first (after snakemake.cli: importing
+    snakemake.dag first is a circular import)."""
+    code = "import snakemake.cli\n" + "".join(patches) + "snakemake.cli.main()\n"
+    return [sys.executable, "-c", code, *cmd[3:]]
+
+
 def main():
     ap = argparse.ArgumentParser()
     mode = ap.add_mutually_exclusive_group()
@@ -102,10 +147,13 @@ def main():
     mode.add_argument("--runs", type=int, help="N runs: the default's trainers over N/5 tiny models")
     ap.add_argument("--floor", action="store_true",
                     help="with --runs: also time the trivial DAG with every rule's directives")
+    ap.add_argument("--engine", action="store_true",
+                    help="with --runs: also time both dry runs without two of Snakemake's per-job costs")
     ap.add_argument("--repeats", type=int, default=5)
     opts = ap.parse_args()
-    if opts.floor and not opts.runs:
-        ap.error("--floor needs --runs")
+    if (opts.floor or opts.engine) and not opts.runs:
+        ap.error("--floor and --engine need --runs")
+    label = f"snaketrl, {opts.runs} runs" if opts.runs else "snaketrl"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = list(DRY_RUN)
         if opts.runs:
@@ -114,33 +162,37 @@ def main():
             cmd += ["--configfile", str(configfile)]
         elif opts.configfile:
             cmd += ["--configfile", str(Path(opts.configfile).resolve())]
-        samples = [dry_run(cmd, ROOT)]
-        jobs = samples[0][2] if opts.runs else 1
-        trivial_dir = Path(tmp, "trivial")
+        jobs = dry_run(cmd, ROOT)[2] if opts.runs else 1
+        trivial_dir, floor_dir = Path(tmp, "trivial"), Path(tmp, "floor")
         trivial_dir.mkdir()
         Path(trivial_dir, "Snakefile").write_text(trivial_snakefile(jobs))
-        floor_dir = Path(tmp, "floor")
+        sides = {"trivial Snakefile": (DRY_RUN, trivial_dir)}
         if opts.floor:
             write_snakefile(floor_dir, floor_snakefile(jobs))
+            sides["trivial + rule directives"] = (DRY_RUN, floor_dir)
+        sides[label] = (cmd, ROOT)
+        if opts.engine:
+            sides["trivial, signatures cached"] = (patched(DRY_RUN, SIGNATURES_CACHED), trivial_dir)
+            sides[f"{label}, scripts once"] = (patched(cmd, SCRIPT_ONCE), ROOT)
+            sides[f"{label}, both"] = (patched(cmd, SCRIPT_ONCE, SIGNATURES_CACHED), ROOT)
         # Turns, so that a change in the machine's load touches every side alike.
-        trivial_samples, floor_samples = [dry_run(DRY_RUN, trivial_dir)], []
-        for i in range(opts.repeats):
-            if opts.floor:
-                floor_samples.append(dry_run(DRY_RUN, floor_dir))
-            if i:
-                samples.append(dry_run(cmd, ROOT))
-                trivial_samples.append(dry_run(DRY_RUN, trivial_dir))
-    (ours, ours_cpu, jobs), (trivial, trivial_cpu, trivial_jobs) = medians(samples), medians(trivial_samples)
-    label = f"snaketrl, {opts.runs} runs" if opts.runs else "snaketrl"
-    print(f"{'dry-run (median of ' + str(opts.repeats) + ')':<28}{'wall':>8}{'CPU':>8}{'jobs':>7}")
-    print(f"{'trivial Snakefile':<28}{trivial:>7.2f}s{trivial_cpu:>7.2f}s{trivial_jobs:>7}")
-    if floor_samples:
-        floor, floor_cpu, floor_jobs = medians(floor_samples)
-        print(f"{'trivial + rule directives':<28}{floor:>7.2f}s{floor_cpu:>7.2f}s{floor_jobs:>7}")
-    print(f"{label:<28}{ours:>7.2f}s{ours_cpu:>7.2f}s{jobs:>7}")
-    if floor_samples:
-        print(f"{'ratio, floor':<28}{floor / trivial:>7.2f}x{floor_cpu / trivial_cpu:>7.2f}x")
-    print(f"{'ratio':<28}{ours / trivial:>7.2f}x{ours_cpu / trivial_cpu:>7.2f}x")
+        samples = {name: [] for name in sides}
+        for _ in range(opts.repeats):
+            for name, (side_cmd, cwd) in sides.items():
+                samples[name].append(dry_run(side_cmd, cwd))
+    times = {name: medians(s) for name, s in samples.items()}
+    print(f"{'dry-run (median of ' + str(opts.repeats) + ')':<40}{'wall':>8}{'CPU':>8}{'jobs':>7}")
+    for name, (wall, cpu, n) in times.items():
+        print(f"{name:<40}{wall:>7.2f}s{cpu:>7.2f}s{n:>7}")
+    ratios = {"ratio": (label, "trivial Snakefile")}
+    if opts.floor:
+        ratios["ratio, floor"] = ("trivial + rule directives", "trivial Snakefile")
+    if opts.engine:
+        ratios["ratio, scripts once"] = (f"{label}, scripts once", "trivial Snakefile")
+        ratios["ratio, both (trivial as released)"] = (f"{label}, both", "trivial Snakefile")
+        ratios["ratio, both (trivial cached too)"] = (f"{label}, both", "trivial, signatures cached")
+    for name, (a, b) in ratios.items():
+        print(f"{name:<40}{times[a][0] / times[b][0]:>7.2f}x{times[a][1] / times[b][1]:>7.2f}x")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ strategy `length.batching: auto` chooses, on the same tiny model (built and pret
 does), the same examples and the same max_length, each in a process of its own. Prints token efficiency
 (real / processed tokens, counted during training), real tokens per second of training steps, wall time
 of the epoch (both the best of the seeds: other load on the machine only slows a run down), peak RSS,
-the final eval loss (mean ± half the range over seeds), and the ratios chosen / default.
+the final eval loss (mean ± standard deviation over seeds), and the ratios chosen / default; the eval
+loss's change against the default comes with its standard error over seeds and whether seed noise explains it.
 
     python bench/efficiency.py                                  # the default config's samples
     python bench/efficiency.py --configfile bench/public_data.yaml --seeds 1 2
@@ -148,8 +149,22 @@ def measure(job: dict) -> dict:
 
 
 def spread(values: list[float]) -> str:
+    """Mean ± the seeds' standard deviation."""
     mean = statistics.fmean(values)
-    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ± {(max(values) - min(values)) / 2:.3f}"
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
+
+
+def loss_change(loss: list[float], base: list[float]) -> str:
+    """The change of the mean eval loss against TRL's default, and whether seed noise explains it: the
+    standard error of a difference of two means carries both arms' seed variance (Welch). Worse than
+    seed noise means higher by more than two standard errors."""
+    change = statistics.fmean(loss) - statistics.fmean(base)
+    if min(len(loss), len(base)) < 2:
+        return f"{change:+.3f}"
+    se = (statistics.variance(loss) / len(loss) + statistics.variance(base) / len(base)) ** 0.5
+    # A change below the table's precision is none, whatever the seeds (a reward model at loss 0.000).
+    verdict = "worse than seed noise" if change > max(2 * se, 0.0005) else "within seed noise"
+    return f"{change:+.3f} (SE {se:.3f}: {verdict})"
 
 
 def report(name: str, results: dict[str, list[dict]]) -> list[str]:
@@ -179,8 +194,7 @@ def report(name: str, results: dict[str, list[dict]]) -> list[str]:
                     f"{mean(requested, 'epoch_s') / mean(base, 'epoch_s'):.2f}× | "
                     f"{mean(requested, 'epoch_cpu_s') / mean(base, 'epoch_cpu_s'):.2f}× | "
                     f"{mean(requested, 'rss_mb') / mean(base, 'rss_mb'):.2f}× | "
-                    f"{statistics.fmean(loss) - statistics.fmean(noise):+.3f}"
-                    f"{f' (seeds: ±{(max(noise) - min(noise)) / 2:.3f})' if len(noise) > 1 else ''} |")
+                    f"{loss_change(loss, noise)} |")
     return rows
 
 
