@@ -3,13 +3,15 @@ constraints (rules/common.smk `_one_of`) resolve."""
 
 import copy
 import importlib.util
+import re
+import subprocess
 
 import yaml
 
 from conftest import ROOT
 from snaketrl import paths
 from snaketrl.config import check, validate
-from test_workflow import copy_project, snakemake
+from test_workflow import copy_project, env, snakemake
 
 spec = importlib.util.spec_from_file_location("dryrun", ROOT / "bench" / "dryrun.py")
 dryrun = importlib.util.module_from_spec(spec)
@@ -73,3 +75,29 @@ def test_a_model_name_holding_a_slash_still_resolves_to_its_own_jobs(tmp_path):
     # get_dataset 4: tldr and the pretraining corpus's other datasets.
     assert job_counts(wd, target) == {"get_dataset": 4, "preprocess": 1, "tiny_model": 1, "pretrain": 1,
                                       "length_histogram": 1, "train": 1}
+
+
+def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_path):
+    """bench/dryrun.py --engine compares like with like: Snakemake without its two per-job costs plans the
+    very jobs it plans as released, and a rule whose script is gone still fails the dry run."""
+    wd = copy_project(tmp_path / "wf")
+
+    def dry_run(cmd):
+        return subprocess.run(cmd, cwd=wd, capture_output=True, text=True, timeout=120, env=env())
+
+    patched = dryrun.patched(dryrun.DRY_RUN, dryrun.SCRIPT_ONCE, dryrun.SIGNATURES_CACHED)
+    stock, fast = dry_run(dryrun.DRY_RUN), dry_run(patched)
+    assert stock.returncode == fast.returncode == 0, (stock.stderr[-2000:], fast.stderr[-2000:])
+    def jobs(out):
+        """The planned jobs, without the header, each job's time stamp and id, in an order of their own
+        (Snakemake lists them in an order of its sets)."""
+        out = re.sub(r"(?m)^\[.*\]$|^    jobid: \d+$", "", out[out.index("\nrule "):])
+        return sorted(out.split("\nrule "))
+
+    assert jobs(fast.stdout) == jobs(stock.stdout) and "\nrule train:" in stock.stdout
+    (wd / "scripts" / "plot_run.py").unlink()
+    stock, fast = dry_run(dryrun.DRY_RUN), dry_run(patched)
+    missing = f"No such file or directory: '{wd / 'rules' / '../scripts/plot_run.py'}'"
+    assert stock.returncode == fast.returncode == 1
+    assert stock.stdout.strip().splitlines()[-1].endswith(missing)
+    assert fast.stdout.strip().splitlines()[-1].endswith(missing)
