@@ -3,8 +3,8 @@
 Default mode: the full default matrix (or --configfile) against a one-job trivial Snakefile.
 --runs N: the default's trainers over N/5 tiny models (copies of the default's model entries) against a
 trivial Snakefile of the same job count (one rule with a wildcard, `all` collecting its outputs): what the
-workflow's jobs cost beyond Snakemake's minimum per job. Prints both medians (wall and CPU time, the two
-dry runs taking turns), the job counts and the ratios. Parsing never imports torch/transformers/trl.
+workflow's jobs cost beyond Snakemake's minimum per job. Prints each dry run's medians (wall and CPU time,
+all dry runs taking turns), the job counts and the ratios. Parsing never imports torch/transformers/trl.
 --floor (with --runs): a third Snakefile, the trivial one whose rule declares what each of ours must
 (log, conda env, script, resources growing with the attempt, a params function), still one input and
 one output per job: what Snakemake itself costs for those directives, the lowest ratio the workflow

@@ -88,6 +88,7 @@ def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_
     patched = dryrun.patched(dryrun.DRY_RUN, dryrun.SCRIPT_ONCE, dryrun.SIGNATURES_CACHED)
     stock, fast = dry_run(dryrun.DRY_RUN), dry_run(patched)
     assert stock.returncode == fast.returncode == 0, (stock.stderr[-2000:], fast.stderr[-2000:])
+
     def jobs(out):
         """The planned jobs, without the header, each job's time stamp and id, in an order of their own
         (Snakemake lists them in an order of its sets)."""
