@@ -1,26 +1,44 @@
+import os
 import sys
+from functools import partial
 
+from snakemake.sourcecache import LocalSourceFile
 from snakemake.utils import min_version
-
-# Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
-from snaketrl.config import check, validate
-from snaketrl.errors import SnaketrlError
-from snaketrl.evaluation_config import check_evaluation, eval_targets
 
 min_version("9.0")
 
 
+# What ships with the workflow (the default config, its sample data, the accelerate configs) is read from
+# the workflow's own directory, whatever the working directory (-d, or the user's directory when this is a
+# module): the directory of this file while it is parsed (workflow.basedir is the first Snakefile's, the
+# user's one in a module). A github()/gitlab() module has no such directory: Snakemake copies its files one
+# at a time, as text, and jobs reach the snaketrl package through the scripts/snaketrl link.
+if not isinstance(workflow.current_basedir, LocalSourceFile):
+    sys.exit(
+        f"snaketrl: used as a module from {workflow.current_basedir}, which is not a local directory; git "
+        f"clone the repository at that version and set the module's snakefile: to the clone's Snakefile"
+    )
+WORKFLOW_ROOT = os.fspath(workflow.current_basedir)
+# shipped("config/accelerate/ddp.yaml"): that file of the workflow, as an absolute path.
+shipped = partial(os.path.join, WORKFLOW_ROOT)
+
+# Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
+from snaketrl.config import check, validate
+from snaketrl.config.evaluation import check_evaluation, eval_targets
+from snaketrl.errors import SnaketrlError
+
 # A --configfile on the command line replaces the offline default instead of being merged
 # into it (merging would keep the default's tiny models and datasets beside the new ones).
+# As a module with `config: config`, Snakemake skips this: the user's workflow loads the config.
 if not workflow.overwrite_configfiles:
 
-    configfile: "config/config.yaml"
+    configfile: shipped("config/config.yaml")
 
 
 try:
-    validate(config, workflow.source_path("config/schema.yaml"))
-    RUNS = check(config)
-    EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"])
+    validate(config, shipped("config/schema.yaml"))
+    RUNS = check(config, shipped)
+    EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"], shipped)
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:
     sys.exit(f"snaketrl: {err}")
@@ -35,6 +53,7 @@ include: "rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         paths.report(),
         [paths.evaluation_db()] if EVAL else [],

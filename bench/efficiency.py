@@ -41,27 +41,42 @@ def load_config(path: Path) -> tuple[dict, dict]:
 
     config = yaml.safe_load(path.read_text())
     validate(config, str(ROOT / "config" / "schema.yaml"))
-    return config, check(config)
+    return config, check(config, shipped)
 
 
 def corpus_file(config: dict, item: str, work: Path) -> str:
     """A tiny model's corpus entry as a file: one naming a dataset of the config stands for its train split
     as fetched (snaketrl.config.corpus_files; the workflow's get_dataset writes it), here under `work`."""
-    from snaketrl.data import fetch, write_jsonl
+    from snaketrl import paths
+    from snaketrl.data.fetch import fetch
+    from snaketrl.io import write_jsonl
 
     if item not in config["datasets"]:
-        return item
+        return paths.from_config(item, shipped)
     path = work / "corpus" / f"{item}.jsonl"
     if not path.is_file():
-        write_jsonl(fetch(item, config["datasets"][item], config["seed"]).train, path)
+        write_jsonl(fetch(item, fetchable(config["datasets"][item]), config["seed"]).train, path)
     return str(path)
+
+
+def shipped(rel: str) -> str:
+    """A file shipped with the workflow (a config's `workflow:<path>`): the Snakefile's `shipped`, for this clone."""
+    return str(ROOT / rel)
+
+
+def fetchable(entry: dict) -> dict:
+    """A dataset entry with its local files as get_dataset reads them (`workflow:` ones resolved)."""
+    from snaketrl.config import local_files
+
+    return {**entry, "files": local_files(entry, shipped)} if "files" in entry else entry
 
 
 def base_model(config: dict, name: str, work: Path) -> Path:
     """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
     import contextlib
 
-    from snaketrl.models import build_tiny_from_files, pretrain_model
+    from snaketrl.models.pretrain import pretrain_model
+    from snaketrl.models.tiny import build_tiny_from_files
 
     tiny = config["models"][name]["tiny"]
     init, out = work / "models" / f"{name}-init", work / "models" / name
@@ -77,13 +92,15 @@ def base_model(config: dict, name: str, work: Path) -> Path:
 
 def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
     """The run's train and eval rows as its trainer reads them (snaketrl.data: fetch, then preprocess)."""
-    from snaketrl.data import fetch, preprocess, write_jsonl
+    from snaketrl.data.fetch import fetch
+    from snaketrl.data.preprocess import preprocess
+    from snaketrl.io import write_jsonl
     from snaketrl.trainers import REGISTRY
 
     out = work / "data" / run["dataset"] / run["trainer"]
     if not (out / "eval.jsonl").is_file():
         entry = run["dataset_entry"]
-        got = fetch(run["dataset"], entry, config["seed"])
+        got = fetch(run["dataset"], fetchable(entry), config["seed"])
         for split, rows in (("train", got.train), ("eval", got.eval)):
             rows = preprocess(rows, dataset=run["dataset"], trainer=run["trainer"],
                               layout=REGISTRY[run["trainer"]].layout, columns=entry["columns"], split=split,
@@ -91,6 +108,17 @@ def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
             unique = list({json.dumps(r, sort_keys=True): r for r in rows}.values())
             write_jsonl(unique, out / f"{split}.jsonl")
     return out / "train.jsonl", out / "eval.jsonl"
+
+
+def length_settings(config: dict, run: dict, batching: str) -> dict:
+    """The length stage's settings for a run, as rules/common.smk's length_settings gives them, `batching` asked."""
+    from snaketrl.config import canonical
+    from snaketrl.trainers import REGISTRY
+
+    return canonical({**{k: v for k, v in config["length"].items() if k != "batching"},
+                      "trainer": run["trainer"], "layout": REGISTRY[run["trainer"]].layout,
+                      "batch_size": run["args"].get("per_device_train_batch_size", 8), "seed": config["seed"],
+                      "batching": batching, "attn_implementation": run["model_entry"].get("attn_implementation")})
 
 
 def cpu_clock():
@@ -114,8 +142,8 @@ def cpu_clock():
 
 def worker(job_file: str) -> None:
     """One epoch of one (run, seed, strategy): length stage, then training; prints one JSON line."""
-    from snaketrl.lengths import histogram
-    from snaketrl.train import train_run
+    from snaketrl.data.lengths import histogram
+    from snaketrl.train.run import train_run
 
     job = json.loads(Path(job_file).read_text())
     work = Path(job["work"])
@@ -215,7 +243,6 @@ def main() -> None:
 
     import os
 
-    from snaketrl.config import canonical
     from snaketrl.trainers import REGISTRY
 
     configfile = opts.configfile.resolve()
@@ -228,17 +255,12 @@ def main() -> None:
         run = runs[name]
         model_dir = base_model(config, run["model"], opts.work)
         train, evals = prepared(config, run, opts.work)
-        batch = run["args"].get("per_device_train_batch_size", 8)
         results = {}
         for strategy in opts.strategies:
             if strategy not in ("auto", *REGISTRY[run["trainer"]].batching):
                 continue
             for seed in opts.seeds:
-                settings = canonical({**{k: v for k, v in config["length"].items() if k != "batching"},
-                                      "trainer": run["trainer"], "layout": REGISTRY[run["trainer"]].layout,
-                                      "batch_size": batch, "seed": config["seed"], "batching": strategy,
-                                      "attn_implementation": run["model_entry"].get("attn_implementation")})
-                job = {"run": run, "seed": seed, "settings": settings, "model_dir": str(model_dir),
+                job = {"run": run, "seed": seed, "settings": length_settings(config, run, strategy), "model_dir": str(model_dir),
                        "train": str(train), "eval": str(evals), "threads": opts.threads,
                        "work": str(opts.work / "runs" / name / f"{strategy}-seed{seed}")}
                 result = measure(job)

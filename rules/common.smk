@@ -1,8 +1,10 @@
 import re
 
-from snaketrl import distributed, paths
+from snaketrl import paths
 from snaketrl.config import batching_of, canonical, corpus_files, local_files
-from snaketrl.evaluation_config import eval_job_inputs
+from snaketrl.config.evaluation import eval_job_inputs
+from snaketrl.evaluate.harness import project_task_files
+from snaketrl.train import distributed
 from snaketrl.trainers import REGISTRY
 
 
@@ -53,7 +55,7 @@ def run_inputs(wildcards):
         "model": base_of(run),
         **data,
         "lengths": paths.lengths(t, d, m),
-        "accelerate": distributed.config_file(run["distributed"]),
+        "accelerate": distributed.config_file(run["distributed"], shipped),
     }
     if run["reward_model"]:
         inputs["reward_model"] = paths.merged(run["reward_model"])
@@ -61,8 +63,14 @@ def run_inputs(wildcards):
 
 
 def dataset_source(wildcards):
-    """The local files of a dataset entry: an edit of them refetches the dataset."""
-    return list(local_files(config["datasets"][wildcards.dataset]).values())
+    """split -> the local file of a dataset entry (a `workflow:` one: the workflow's copy). The job reads
+    these, so an edit of one refetches the dataset; params keep the names as written, which stay the same
+    from any working directory."""
+    return local_files(config["datasets"][wildcards.dataset], shipped)
+
+
+def tiny_corpus(wildcards):
+    return corpus_files(config, wildcards.model, shipped)
 
 
 def dataset_fetch(wildcards):
@@ -155,6 +163,12 @@ def report_runs():
 def per_attempt(base):
     """A resource (mem_mb, runtime) that grows with each retry: attempt 1, 2, ..."""
     return lambda wildcards, attempt: base * attempt
+
+
+# The workflow's copies of the files its lm-eval tasks read (data/samples/arithmetic.jsonl), once.
+LM_EVAL_DATA = (
+    [shipped(f) for f in project_task_files(EVAL["lm_eval"]["tasks"])] if EVAL else []
+)
 
 
 def eval_settings():

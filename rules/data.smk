@@ -1,17 +1,14 @@
 # Hub downloads run on the submitting machine: cluster nodes often have no internet.
-localrules:
-    get_dataset,
-
-
 rule get_dataset:
     input:
-        dataset_source,
+        unpack(dataset_source),
     output:
         train=paths.raw("{dataset}", "train"),
         eval=paths.raw("{dataset}", "eval"),
         origin=paths.raw_origin("{dataset}"),
     log:
         paths.log("get_dataset", "{dataset}"),
+    localrule: True
     conda:
         "../envs/data.yaml"
     params:

@@ -2,6 +2,7 @@
 rule evaluate:
     input:
         unpack(lambda wc: eval_job_inputs(wc.evaluated, EVAL, RUNS, EVAL_TARGETS)),
+        lm_eval_data=LM_EVAL_DATA,
     output:
         completions=paths.evaluation("{evaluated}", "completions.jsonl"),
         metrics=paths.evaluation("{evaluated}", "metrics.json"),

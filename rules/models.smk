@@ -1,11 +1,7 @@
-localrules:
-    download_model,
-
-
 # A tokenizer trained on the model's corpus and random weights: what pretraining starts from.
 rule tiny_model:
     input:
-        corpus=lambda wc: corpus_files(config, wc.model),
+        corpus=tiny_corpus,
     output:
         directory(paths.model_init("{model}")),
     log:
@@ -22,7 +18,7 @@ rule tiny_model:
 rule pretrain:
     input:
         init=paths.model_init("{model}"),
-        corpus=lambda wc: corpus_files(config, wc.model),
+        corpus=tiny_corpus,
     output:
         model=directory(paths.model("{model}")),
         state=paths.pretrain_file("{model}", "trainer_state.json"),
@@ -53,6 +49,7 @@ rule download_model:
         paths.log("download_model", "{model}"),
     wildcard_constraints:
         model=_alternatives(HUB_MODELS),
+    localrule: True
     conda:
         "../envs/data.yaml"
     params:

@@ -1,4 +1,4 @@
-from snaketrl.evaluate import collect
+from snaketrl.evaluate.storage import collect
 from snaketrl.smk import logged
 
 with logged(snakemake):

@@ -1,4 +1,4 @@
-from snaketrl.models import download
+from snaketrl.models.download import download
 from snaketrl.smk import logged
 
 with logged(snakemake, offline=False):

@@ -1,4 +1,4 @@
-from snaketrl.evaluate import evaluate
+from snaketrl.evaluate.job import evaluate
 from snaketrl.smk import logged
 
 with logged(snakemake):
@@ -8,5 +8,6 @@ with logged(snakemake):
                    adapter_dir=inp.get("adapter"), prompts_file=inp.get("prompts"),
                    references_file=inp.get("references"), pairs_file=inp.get("pairs"),
                    reward_models=dict(zip(settings["reward_models"], inp.get("reward_models", []))),
-                   reference_completions=inp.get("reference"), out_completions=snakemake.output.completions,
+                   reference_completions=inp.get("reference"), lm_eval_data=inp.get("lm_eval_data"),
+                   out_completions=snakemake.output.completions,
                    out_metrics=snakemake.output.metrics, threads=snakemake.threads))

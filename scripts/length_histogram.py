@@ -1,4 +1,4 @@
-from snaketrl.lengths import histogram
+from snaketrl.data.lengths import histogram
 from snaketrl.smk import logged
 
 with logged(snakemake):

@@ -1,5 +1,5 @@
+from snaketrl.models.merge import merge
 from snaketrl.smk import logged
-from snaketrl.train import merge
 
 with logged(snakemake):
     merge(snakemake.input.adapter, snakemake.input.base, snakemake.output[0], snakemake.params.settings["task_type"],

@@ -1,4 +1,4 @@
-from snaketrl.plots import plot_run
+from snaketrl.report.plots import plot_run
 from snaketrl.smk import logged
 
 with logged(snakemake):

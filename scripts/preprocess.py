@@ -1,4 +1,4 @@
-from snaketrl.data import preprocess_splits
+from snaketrl.data.preprocess import preprocess_splits
 from snaketrl.smk import logged
 
 with logged(snakemake):

@@ -1,4 +1,4 @@
-from snaketrl.models import pretrain_model
+from snaketrl.models.pretrain import pretrain_model
 from snaketrl.smk import logged
 
 with logged(snakemake):

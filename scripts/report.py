@@ -1,4 +1,4 @@
-from snaketrl.report import render
+from snaketrl.report.render import render
 from snaketrl.smk import logged
 
 with logged(snakemake):

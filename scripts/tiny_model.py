@@ -1,4 +1,4 @@
-from snaketrl.models import build_tiny_from_files
+from snaketrl.models.tiny import build_tiny_from_files
 from snaketrl.smk import logged
 
 with logged(snakemake):

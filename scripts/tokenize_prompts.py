@@ -1,4 +1,4 @@
-from snaketrl.lengths import tokenize_prompt_files
+from snaketrl.data.lengths import tokenize_prompt_files
 from snaketrl.smk import logged
 
 with logged(snakemake):

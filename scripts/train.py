@@ -3,9 +3,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from snaketrl.distributed import check_launcher, job_gpus, launch_command
 from snaketrl.smk import logged
-from snaketrl.train import launch_env, train_run
+from snaketrl.train.distributed import check_launcher, job_gpus, launch_command
+from snaketrl.train.run import launch_env, train_run
 
 with logged(snakemake):
     run = snakemake.params.run

@@ -28,3 +28,9 @@ def did_you_mean(name: str, known) -> str:
     "unknown name" message ends with."""
     match = difflib.get_close_matches(name, list(known), n=1)
     return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def close_match(name: str, known) -> str:
+    """` (did you mean 'x'?)` for the closest of `known`, or "": for messages that go on after the name."""
+    hint = did_you_mean(name, known)
+    return f" ({hint[2:]})" if hint else ""

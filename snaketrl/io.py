@@ -60,3 +60,16 @@ def hash_path(path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a file this workflow wrote (user files go through `fetch`)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> None:
+    """Write atomically: a reader never sees a half-written file."""
+    from snaketrl.io import atomic
+
+    with atomic(path) as tmp:
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")

@@ -1,13 +1,34 @@
-"""The results layout, in one place: one function per artifact.
+"""The results layout, in one place: one function per artifact; and the paths a config names.
 
 Rules call these with wildcard placeholders (`paths.lengths("{trainer}", "{dataset}", "{model}")`)
 to get patterns, scripts and benches with real names to get files. Pure Python: the Snakefile
 imports it while parsing.
+
+Results are relative to the working directory (Snakemake's `--directory`, or the directory of a
+workflow that uses this one as a module), as are the files a user's config names. Files that ship
+with the workflow (sample data, accelerate configs) are not: a config names them `workflow:<path>`,
+and the Snakefile's `shipped(path)` finds them in the workflow's own directory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 RESULTS = "results"
+
+# A config path starting with this names a file of the workflow (`workflow:data/samples/tldr.jsonl`),
+# wherever the workflow runs from; any other relative path is the user's, read from the working directory.
+SHIPPED_PREFIX = "workflow:"
+
+
+def from_config(value: str, shipped: Callable[[str], str] | None = None) -> str:
+    """The file a path written in the config names, as a job reads it: `workflow:<rel>` is `shipped(rel)`
+    (without `shipped`, <rel> itself: a run from the clone's root, as tests and benches do); anything else
+    is returned as written."""
+    if value.startswith(SHIPPED_PREFIX):
+        rel = value[len(SHIPPED_PREFIX):]
+        return shipped(rel) if shipped else rel
+    return value
 
 
 def raw(dataset: str, split: str) -> str:

@@ -1,7 +1,7 @@
 """The trainer registry: one entry per TRL trainer, no per-trainer pipeline.
 
 Entries are plain strings so that the Snakefile can read them without importing trl.
-`layout` names the dataset layout the trainer consumes (see snaketrl.data.LAYOUTS).
+`layout` names the dataset layout the trainer consumes (see snaketrl.data.preprocess.LAYOUTS).
 """
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ from dataclasses import dataclass
 # peft task type -> the transformers auto class that loads such a model.
 MODEL_CLASSES = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification"}
 
+# TRL fields the length stage's batching choice sets (snaketrl.data.lengths.STRATEGY_ARGS,
+# PAIR_GROUPING): a run may not set them.
+BATCHING_FIELDS = ("packing", "packing_strategy", "train_sampling_strategy", "remove_unused_columns",
+                   "length_column_name")
+
 
 @dataclass(frozen=True)
 class Trainer:
     config: str  # "module:Class" of the TRL config
     trainer: str  # "module:Class" of the TRL trainer
-    layout: str  # key of snaketrl.data.LAYOUTS
+    layout: str  # key of snaketrl.data.preprocess.LAYOUTS
     length_field: str | None = "max_length"  # the TRL field the length histogram sets (None: prompts are cut instead)
     headline: tuple[str, ...] = ()  # log keys its users read first (summary table)
     overlay: str = "loss"  # the curve compared across runs in the report
@@ -27,12 +32,12 @@ class Trainer:
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
-    batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.lengths.STRATEGIES)
+    batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.data.lengths.STRATEGIES)
     batching_note: str = ""  # why it has no other strategy: the histogram JSON and the report say so
     # Examples TRL drops instead of truncating: "long" (longer than max_length), "long_prompt" (a prompt alone
     # fills max_length, leaving no completion token to learn from; unpacked only).
     drops: str = ""
-    # Grouped batches also run each batch's rows in two length groups (snaketrl.batching): its forward
+    # Grouped batches also run each batch's rows in two length groups (snaketrl.train.batching): its forward
     # takes right-padded rows, each scored on its own (a causal LM's log-probs or loss, a classifier's last
     # token).
     split_rows: bool = False
@@ -61,8 +66,8 @@ REGISTRY: dict[str, Trainer] = {
                       split_rows=True),
     "grpo": Trainer("trl:GRPOConfig", "trl:GRPOTrainer", **ONLINE),
     "rloo": Trainer("trl:RLOOConfig", "trl:RLOOTrainer", **ONLINE),
-    # TRL's PPOTrainer, made resumable (snaketrl.ppo)
-    "ppo": Trainer("trl.experimental.ppo:PPOConfig", "snaketrl.ppo:PPOTrainer", "prompt",
+    # TRL's PPOTrainer, made resumable (snaketrl.train.ppo)
+    "ppo": Trainer("trl.experimental.ppo:PPOConfig", "snaketrl.train.ppo:PPOTrainer", "prompt",
                    length_field=None, value_model=True, tokenized=True, evaluates=False,
                    overlay="objective/rlhf_reward",
                    headline=("objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg"),

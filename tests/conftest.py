@@ -7,6 +7,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU; none is visible (CI has none: run `pytest -m cuda` on a GPU machine)")
+
+
 @pytest.fixture(autouse=True)
 def _in_project_root(monkeypatch):
     """Config paths (data/samples/...) are relative to the project root, as for Snakemake."""
@@ -26,7 +34,7 @@ def config():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Qwen2-style model and tokenizer trained on the shipped samples (built once)."""
-    from snaketrl.models import build_tiny_from_files
+    from snaketrl.models.tiny import build_tiny_from_files
 
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     out = tmp_path_factory.mktemp("models") / "qwen2-tiny"
@@ -36,10 +44,24 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reward_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model as a sequence classifier: PPO's reward and value model, its score head fixed on disk."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("reward") / "model"
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory):
     """The default workflow, run once to completion in a temporary copy of the project."""
-    from snaketrl import paths
     from test_workflow import copy_project, snakemake
+
+    from snaketrl import paths
 
     wd = copy_project(tmp_path_factory.mktemp("wf"))
     proc = snakemake(wd, paths.report())

@@ -8,9 +8,10 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.config import ConfigError, check
-from snaketrl.data import preprocess, read_jsonl
-from snaketrl.lengths import (PAIR_GROUPING, STRATEGY_ARGS, VARLEN_ATTENTION, batch_efficiency, choose_batching,
-                              length_stats, row_groups, sequence_lengths, split_efficiency)
+from snaketrl.data.lengths import (PAIR_GROUPING, STRATEGY_ARGS, VARLEN_ATTENTION, batch_efficiency, choose_batching,
+                                   length_stats, row_groups, sequence_lengths, split_efficiency)
+from snaketrl.data.preprocess import preprocess
+from snaketrl.io import read_jsonl
 
 
 def _rows(name, trainer, layout, n):
@@ -68,7 +69,7 @@ def _sft_losses(model_dir, rows, tmp_path, strategy):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
 
-    from snaketrl.train import build_args
+    from snaketrl.train.args import build_args
 
     args = build_args("sft", {"per_device_train_batch_size": 4, "activation_checkpointing": False},
                       output_dir=str(tmp_path / strategy), max_length=128, seed=0, batching=STRATEGY_ARGS[strategy])
@@ -118,8 +119,10 @@ def _dpo_logps(model_dir, rows, tmp_path, strategy):
     from trl import DPOTrainer
     from trl.trainer.utils import selective_log_softmax
 
-    from snaketrl.sampler import with_grouped_sampler
-    from snaketrl.train import build_args, prepare_tokenizer, with_lengths
+    from snaketrl.models.tokenizer import prepare_tokenizer
+    from snaketrl.train.args import build_args
+    from snaketrl.train.run import with_lengths
+    from snaketrl.train.sampler import with_grouped_sampler
 
     batching = {**STRATEGY_ARGS[strategy], **(PAIR_GROUPING if strategy == "grouped" else {})}
     # Batches of 2: snaketrl's sampler (as training uses it) sorts all 16 pairs, then shuffles the batches.
@@ -162,8 +165,9 @@ def _batch_trainer(trainer_name, model_dir, rows, tmp_path):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from snaketrl.train import build_args, load, prepare_tokenizer
-    from snaketrl.trainers import REGISTRY
+    from snaketrl.models.tokenizer import prepare_tokenizer
+    from snaketrl.train.args import build_args
+    from snaketrl.trainers import REGISTRY, load
 
     spec = REGISTRY[trainer_name]
     args = build_args(trainer_name, {"per_device_train_batch_size": 8, "activation_checkpointing": False},
@@ -197,7 +201,7 @@ def _losses_and_grads(trainer, batches, items):
     ("dpo", "ultrafeedback", "preference", False), ("reward", "descriptiveness", "preference", False)])
 def test_row_groups_give_the_same_losses_and_gradients(trainer_name, dataset, layout, items, tiny_model_dir,
                                                        tmp_path):
-    from snaketrl.batching import split_rows
+    from snaketrl.train.batching import split_rows
 
     trainer = _batch_trainer(trainer_name, tiny_model_dir, _rows(dataset, trainer_name, layout, 24), tmp_path)
     batches = list(trainer.get_train_dataloader())
@@ -234,7 +238,7 @@ def test_efficiency_counts_pairs_and_padding():
 
 def test_choice_per_trainer_and_attention():
     # Random batches of 8 mostly hold a 200-token example: about 105 / 200 real. Sorted mega-batches of 400
-    # (snaketrl.sampler) mix the two lengths in about one batch each (3 of 125 batches: 0.993 real), and
+    # (snaketrl.train.sampler) mix the two lengths in about one batch each (3 of 125 batches: 0.993 real), and
     # those run as two row groups, one per length.
     lengths = np.array([10, 200] * 500)
     stats = length_stats(lengths, keep_share=1.0, round_to=8, cap=None, batch_size=8, seed=0, trainer="sft")

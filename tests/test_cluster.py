@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import yaml
+from test_workflow import copy_project, env
 
 from conftest import ROOT
-from test_workflow import copy_project, env
 
 NO_NETWORK = '''
 import socket
@@ -71,7 +71,7 @@ def test_ci_profile_is_derived_from_the_slurm_profile(tmp_path):
 def test_train_module_entry_point_reads_a_job_file(tmp_path, monkeypatch):
     import json
 
-    import snaketrl.train as train
+    import snaketrl.train.run as train
 
     seen = {}
     monkeypatch.setattr(train, "train_run", lambda **kw: seen.update(kw))

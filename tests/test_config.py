@@ -156,3 +156,32 @@ def test_tokens_in_config_are_refused(config):
     config["training"]["hub_token"] = "hf_x"
     with pytest.raises(ConfigError, match=r"'hub_token': secrets do not belong in config; set HF_TOKEN"):
         check(config)
+
+
+def test_workflow_paths_are_found_where_the_workflow_is_and_params_keep_them_as_written(config, tmp_path,
+                                                                                       monkeypatch):
+    """`workflow:<path>` is a file shipped with the workflow (the Snakefile's `shipped`), from any working
+    directory; the resolved runs (the train job's params) keep the config's strings, so they do not change
+    when the working directory does."""
+    import os
+    import shutil
+    from functools import partial
+
+    from snaketrl import paths
+    from snaketrl.config import corpus_files, local_files
+
+    shipped = partial(os.path.join, str(ROOT))
+    config["models"]["qwen2-tiny"]["tiny"]["corpus"] = ["tldr", "workflow:data/samples/firefly.jsonl"]
+    at_root = check(config, shipped)
+    monkeypatch.chdir(tmp_path)  # a user's directory: no data/ here
+    assert repr(check(config, shipped)) == repr(at_root)
+    assert at_root["sft-qwen2-tiny"]["dataset_entry"]["files"] == "workflow:data/samples/tldr.jsonl"
+    assert local_files(config["datasets"]["tldr"], shipped) == {"train": f"{ROOT}/data/samples/tldr.jsonl"}
+    assert corpus_files(config, "qwen2-tiny", shipped) == [paths.raw("tldr", "train"),
+                                                           f"{ROOT}/data/samples/firefly.jsonl"]
+    assert paths.from_config("mine/train.jsonl", shipped) == "mine/train.jsonl"  # the user's: as written
+    shutil.copytree(ROOT / "config", tmp_path / "config")  # a workflow with its accelerate configs, no samples
+    with pytest.raises(ConfigError, match=r"^config: datasets.descriptiveness.files: train file workflow:data/samples/"
+                                          r"descriptiveness.jsonl does not exist in the workflow "
+                                          rf"\({tmp_path}/data/samples/descriptiveness.jsonl\)$"):
+        check(config, partial(os.path.join, str(tmp_path)))

@@ -3,7 +3,10 @@ import json
 import pytest
 
 from conftest import ROOT
-from snaketrl.data import DataError, fetch, preprocess, read_jsonl, split_rows
+from snaketrl.data.fetch import fetch, split_rows
+from snaketrl.data.preprocess import preprocess
+from snaketrl.errors import DataError
+from snaketrl.io import read_jsonl
 
 
 def prep(rows, **kw):
@@ -402,7 +405,7 @@ def test_hub_and_parquet_origins_name_split_and_row_index():
 
 
 def test_drop_mode_in_preprocess_counts_and_caps_the_reasons():
-    from snaketrl.data import MAX_REASONS
+    from snaketrl.data.schema import MAX_REASONS
 
     rows = [GOOD, {"prompt": "x", "completion": None}] * (MAX_REASONS + 5)
     got = preprocess(rows, dataset="d", trainer="sft", layout="language_modeling", columns={}, split="eval",
@@ -461,7 +464,7 @@ CHAT = [{"role": "user", "content": "What color is the sky?"}]
 ])
 def test_implicit_prompt_split_and_conversation_check_agree_with_trl(chosen, rejected):
     trl = pytest.importorskip("trl.data_utils")
-    from snaketrl.data import is_conversational
+    from snaketrl.data.formats import is_conversational
 
     ours = prep([{"chosen": chosen, "rejected": rejected}], dataset="d", trainer="dpo", layout="preference",
                 columns={}, split="train")

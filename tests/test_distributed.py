@@ -7,15 +7,16 @@ import os
 import runpy
 import subprocess
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from conftest import ROOT
-from snaketrl import distributed
 from snaketrl.config import check, validate
 from snaketrl.errors import ConfigError
+from snaketrl.train import distributed
 
 SCHEMA = str(ROOT / "config/schema.yaml")
 
@@ -133,12 +134,14 @@ def test_quantization_and_modes_that_work_together(config, quantization, mode):
     assert _revalidated(config)["sft-qwen2-tiny"]["distributed"] == mode
 
 
-def test_a_missing_accelerate_config_is_a_parse_time_error(config, tmp_path, monkeypatch):
-    monkeypatch.setattr(distributed, "CONFIG_DIR", str(tmp_path))
+def test_a_missing_accelerate_config_is_a_parse_time_error(config, tmp_path):
+    """Looked up where the workflow's files are (the Snakefile's `shipped`), not in the working directory."""
     config["runs"]["sft-qwen2-tiny"] = {"distributed": "fsdp"}
+    validate(config, SCHEMA)
     with pytest.raises(ConfigError, match=rf"^config: runs\.sft-qwen2-tiny\.distributed: fsdp launches with "
-                                          rf"{tmp_path}/fsdp\.yaml, which does not exist$"):
-        _revalidated(config)
+                                          rf"{tmp_path}/config/accelerate/fsdp\.yaml, which does not exist$"):
+        check(config, partial(os.path.join, str(tmp_path)))
+    assert check(config, partial(os.path.join, str(ROOT)))["sft-qwen2-tiny"]["distributed"] == "fsdp"
 
 
 @pytest.mark.parametrize("bf16,storage,compute", [(True, "bfloat16", "bfloat16"), (False, "float32", "float16")])
@@ -146,7 +149,7 @@ def test_4bit_weights_are_stored_in_the_dtype_the_model_loads_in(bf16, storage, 
     """peft's FSDP/ZeRO-3 QLoRA rule (bnb_4bit_quant_storage = the model's dtype), by construction."""
     import torch
 
-    from snaketrl.train import quantization_config, weight_dtype
+    from snaketrl.train.loading import quantization_config, weight_dtype
 
     q = quantization_config("4bit", bf16)
     assert q.load_in_4bit and q.bnb_4bit_quant_storage == getattr(torch, weight_dtype(bf16)) == getattr(torch, storage)
@@ -216,5 +219,6 @@ def test_the_train_job_reads_its_modes_accelerate_config(tmp_path):
     for block in proc.stdout.split("rule train:")[1:]:
         lines = dict(line.strip().split(": ", 1) for line in block.splitlines()[1:] if ": " in line)
         inputs[lines["wildcards"]] = lines["input"].split(", ")
-    assert "config/accelerate/zero3.yaml" in inputs["run=sft-qwen2-tiny"]
-    assert "config/accelerate/ddp.yaml" in inputs["run=dpo-qwen2-tiny"]
+    # The workflow's own copy, by its absolute path: the same file from any working directory.
+    assert str(wd / "config/accelerate/zero3.yaml") in inputs["run=sft-qwen2-tiny"]
+    assert str(wd / "config/accelerate/ddp.yaml") in inputs["run=dpo-qwen2-tiny"]

@@ -9,10 +9,17 @@ import sys
 import pytest
 
 from conftest import ROOT
-from snaketrl import evaluate as E
-from snaketrl.data import read_jsonl, write_jsonl
+from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import ConfigError, DataError
-from snaketrl.evaluation_config import check_evaluation, eval_targets
+from snaketrl.evaluate.generation import generate
+from snaketrl.evaluate.harness import _lm_eval_available, lm_eval_run, lm_eval_task_manager
+from snaketrl.evaluate.job import evaluate
+from snaketrl.evaluate.likelihood import completion_nll, kl_to_reference, preference_accuracy
+from snaketrl.evaluate.loading import load_for_eval
+from snaketrl.evaluate.scoring import (distinct_n, judge_texts, mean_std, reward_function_scores, reward_model_scores,
+                                       win_rate)
+from snaketrl.evaluate.storage import COMPLETION_COLUMNS, collect
+from snaketrl.io import read_jsonl, write_jsonl
 
 SETTINGS = {
     "prompts": {"dataset": "tldr", "size": 6},
@@ -66,7 +73,7 @@ def pythia_dir(tmp_path_factory):
     """A tiny model of another family (GPT-NeoX) with its own tokenizer."""
     import yaml
 
-    from snaketrl.models import build_tiny_from_files
+    from snaketrl.models.tiny import build_tiny_from_files
 
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     out = tmp_path_factory.mktemp("pythia") / "lm"
@@ -92,7 +99,7 @@ def judge_dir(pythia_dir):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir, adapters):
-    return E.load_for_eval(tiny_model_dir, adapters["random"], threads=1)
+    return load_for_eval(tiny_model_dir, adapters["random"], threads=1)
 
 
 def _direct_logp(model, tokenizer, prompt: str, completion: str) -> tuple[float, int]:
@@ -103,9 +110,9 @@ def _direct_logp(model, tokenizer, prompt: str, completion: str) -> tuple[float,
     p_ids = tokenizer(prompt)["input_ids"]
     ids = tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]
     assert ids[:len(p_ids)] == p_ids
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     with torch.no_grad():
-        logits = model(input_ids=x).logits[0]
+        logits = model(input_ids=x).logits[0].float()
     nll = F.cross_entropy(logits[len(p_ids) - 1:-1], x[0, len(p_ids):], reduction="sum")
     return -float(nll), len(ids) - len(p_ids)
 
@@ -113,24 +120,24 @@ def _direct_logp(model, tokenizer, prompt: str, completion: str) -> tuple[float,
 # --- Aggregates on hand-checked values ---------------------------------------------------------
 
 def test_win_rate_counts_ties_half_and_skips_missing():
-    assert E.win_rate([1, 2, 3, float("nan")], [1, 1, 4, 0]) == pytest.approx((0.5 + 1 + 0) / 3)
-    assert E.win_rate([2, 2], [2, 2]) == 0.5
-    assert E.win_rate([None], [1]) is None
+    assert win_rate([1, 2, 3, float("nan")], [1, 1, 4, 0]) == pytest.approx((0.5 + 1 + 0) / 3)
+    assert win_rate([2, 2], [2, 2]) == 0.5
+    assert win_rate([None], [1]) is None
 
 
 def test_distinct_2_on_fixed_strings():
     # bigrams: (a b) (b a) (a b) | (a b) (b c): 5 in all, 3 distinct; one-word texts have none.
-    assert E.distinct_n(["a b a b", "a b c", "x"], 2) == pytest.approx(3 / 5)
-    assert E.distinct_n(["one", ""], 2) is None
+    assert distinct_n(["a b a b", "a b c", "x"], 2) == pytest.approx(3 / 5)
+    assert distinct_n(["one", ""], 2) is None
 
 
 def test_mean_std():
-    assert E.mean_std([1, 3, float("nan")]) == {"mean": 2, "std": 1}
-    assert E.mean_std([]) == {"mean": None, "std": None}
+    assert mean_std([1, 3, float("nan")]) == {"mean": 2, "std": 1}
+    assert mean_std([]) == {"mean": None, "std": None}
 
 
 def test_reward_functions_score_as_trl_calls_them():
-    scores = E.reward_function_scores(
+    scores = reward_function_scores(
         ["unique_chars", "format", {"function": "keyword", "kwargs": {"words": ["cat", "dog"]}}, "accuracy"],
         ["p1", "p2"], ["abcabc.", "a cat #### 4"], {"answer": ["#### 4", "x #### 4"]})
     assert scores == {"fn_unique_chars": [4.0, 6.0], "fn_format": [1.0, 0.0], "fn_keyword": [0.0, 0.5],
@@ -146,7 +153,7 @@ def test_reward_functions_score_as_trl_calls_them():
 
     R.BUILTINS["_spy"] = spy
     try:
-        E.reward_function_scores(["_spy"], [[{"role": "user", "content": "hi"}]], ["yo"])
+        reward_function_scores(["_spy"], [[{"role": "user", "content": "hi"}]], ["yo"])
     finally:
         del R.BUILTINS["_spy"]
     assert seen["c"] == [[{"role": "assistant", "content": "yo"}]]
@@ -156,8 +163,8 @@ def test_reward_functions_score_as_trl_calls_them():
 
 def test_generate_is_greedy_batched_and_left_padded(loaded):
     prompts = [r["prompt"] for r in read_jsonl(ROOT / "data/samples/tldr.jsonl")[:5]]
-    one = E.generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=8, batch_size=1)
-    many = E.generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=8, batch_size=4)
+    one = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=8, batch_size=1)
+    many = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=8, batch_size=4)
     assert many.texts == one.texts and many.token_ids == one.token_ids  # padding changes nothing
     assert all(1 <= n <= 8 for n in many.n_tokens) and many.n_tokens == [len(t) for t in many.token_ids]
     assert loaded.tokenizer.padding_side == "left"
@@ -166,7 +173,7 @@ def test_generate_is_greedy_batched_and_left_padded(loaded):
 def test_generate_uses_the_chat_template_for_conversations(loaded):
     tok = loaded.tokenizer
     conv = [[{"role": "user", "content": "Tell me about penguins."}]]
-    got = E.generate(loaded.model, tok, conv, max_new_tokens=4)
+    got = generate(loaded.model, tok, conv, max_new_tokens=4)
     assert tok.decode(got.prompt_ids[0]).endswith("<|im_start|>assistant\n")
 
 
@@ -174,7 +181,7 @@ def test_generate_uses_the_chat_template_for_conversations(loaded):
 
 def test_nll_matches_cross_entropy_by_hand(loaded):
     rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:4]
-    got = E.completion_nll(loaded.model, loaded.tokenizer, [r["prompt"] for r in rows],
+    got = completion_nll(loaded.model, loaded.tokenizer, [r["prompt"] for r in rows],
                            [r["completion"] for r in rows], batch_size=3)
     direct = [_direct_logp(loaded.model, loaded.tokenizer, r["prompt"], r["completion"]) for r in rows]
     n = sum(k for _, k in direct)
@@ -184,9 +191,9 @@ def test_nll_matches_cross_entropy_by_hand(loaded):
 
 
 def test_nll_by_hand_for_another_family(pythia_dir):
-    plain = E.load_for_eval(pythia_dir, threads=1)
+    plain = load_for_eval(pythia_dir, threads=1)
     rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[4:7]
-    got = E.completion_nll(plain.model, plain.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+    got = completion_nll(plain.model, plain.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
     direct = [_direct_logp(plain.model, plain.tokenizer, r["prompt"], r["completion"]) for r in rows]
     assert got["nll"] == pytest.approx(-sum(lp for lp, _ in direct) / sum(k for _, k in direct), rel=1e-5)
 
@@ -194,7 +201,7 @@ def test_nll_by_hand_for_another_family(pythia_dir):
 def test_preference_accuracy_is_dpo_implicit_reward_by_hand(loaded):
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:8]
     p, c, r = ([row[k] for row in rows] for k in ("prompt", "chosen", "rejected"))
-    got = E.preference_accuracy(loaded, p, c, r, batch_size=3)
+    got = preference_accuracy(loaded, p, c, r, batch_size=3)
     run = [(_direct_logp(loaded.model, loaded.tokenizer, *x)[0]) for x in zip(p, c)], \
           [(_direct_logp(loaded.model, loaded.tokenizer, *x)[0]) for x in zip(p, r)]
     with loaded.reference():
@@ -208,32 +215,32 @@ def test_preference_accuracy_is_dpo_implicit_reward_by_hand(loaded):
 
 
 def test_identity_adapter_has_no_preference_and_no_kl(tiny_model_dir, adapters):
-    same = E.load_for_eval(tiny_model_dir, adapters["identity"])
+    same = load_for_eval(tiny_model_dir, adapters["identity"])
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:6]
-    got = E.preference_accuracy(same, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
+    got = preference_accuracy(same, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
     assert got["accuracy"] == 0.0 and got["margin"] == pytest.approx(0, abs=1e-6)  # all ties: no wins, as DPO
-    gen = E.generate(same.model, same.tokenizer, [r["prompt"] for r in rows], max_new_tokens=6)
-    assert E.kl_to_reference(same, gen) == pytest.approx([0.0] * 6, abs=1e-5)
+    gen = generate(same.model, same.tokenizer, [r["prompt"] for r in rows], max_new_tokens=6)
+    assert kl_to_reference(same, gen) == pytest.approx([0.0] * 6, abs=1e-5)
 
 
 def test_base_model_has_plain_accuracy_only(tiny_model_dir):
-    base = E.load_for_eval(tiny_model_dir)
+    base = load_for_eval(tiny_model_dir)
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:4]
-    got = E.preference_accuracy(base, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
+    got = preference_accuracy(base, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
     assert got["accuracy"] is None and got["margin"] is None and 0 <= got["logp_accuracy"] <= 1
-    assert E.kl_to_reference(base, E.generate(base.model, base.tokenizer, ["Hi"], max_new_tokens=2)) is None
+    assert kl_to_reference(base, generate(base.model, base.tokenizer, ["Hi"], max_new_tokens=2)) is None
 
 
 def test_kl_is_the_log_ratio_of_the_generated_tokens(loaded):
     import torch
 
-    gen = E.generate(loaded.model, loaded.tokenizer, ["She walked into the room and saw a", "Hi"], max_new_tokens=6)
-    kl = E.kl_to_reference(loaded, gen, batch_size=2)
+    gen = generate(loaded.model, loaded.tokenizer, ["She walked into the room and saw a", "Hi"], max_new_tokens=6)
+    kl = kl_to_reference(loaded, gen, batch_size=2)
 
     def logp(ids, n_prompt):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=loaded.model.device)
         with torch.no_grad():
-            lp = loaded.model(input_ids=x).logits[0].log_softmax(-1)
+            lp = loaded.model(input_ids=x).logits[0].float().log_softmax(-1)
         return sum(float(lp[i - 1, ids[i]]) for i in range(n_prompt, len(ids)))
 
     for k, p, c in zip(kl, gen.prompt_ids, gen.token_ids):
@@ -250,7 +257,7 @@ def test_reward_model_of_another_family_scores_text(judge_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     prompts, completions = ["Hello there", "A much longer prompt than the other one"], [" friend.", " ok"]
-    got = E.reward_model_scores(judge_dir, prompts, completions, batch_size=2)  # right-padded batch
+    got = reward_model_scores(judge_dir, prompts, completions, batch_size=2)  # right-padded batch
     tok = AutoTokenizer.from_pretrained(judge_dir)
     model = AutoModelForSequenceClassification.from_pretrained(judge_dir).eval()
     for score, p, c in zip(got, prompts, completions):
@@ -263,7 +270,7 @@ def test_judge_renders_conversations_with_its_own_template(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    texts, special = E.judge_texts(tok, [[{"role": "user", "content": "hi"}]], ["yo"])
+    texts, special = judge_texts(tok, [[{"role": "user", "content": "hi"}]], ["yo"])
     assert texts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"] and not special
 
 
@@ -272,7 +279,7 @@ def test_judge_renders_conversations_with_its_own_template(tiny_model_dir):
 @pytest.fixture(scope="module")
 def eval_jobs(tmp_path_factory, tiny_model_dir, adapters, judge_dir, datasets):
     """A base job, then a run job that reads the base's completions (win rates), as the workflow runs them."""
-    from snaketrl.data import preprocess
+    from snaketrl.data.preprocess import preprocess
 
     tmp = tmp_path_factory.mktemp("eval")
     for kind, dataset, trainer, layout in (("prompts", "tldr", "grpo", "prompt"),
@@ -290,9 +297,9 @@ def eval_jobs(tmp_path_factory, tiny_model_dir, adapters, judge_dir, datasets):
                                    "seed": 42, "reference": None},
                "sft-qwen2-tiny": {"kind": "run", "run": "sft-qwen2-tiny", "model": "qwen2-tiny", "trainer": "sft",
                                   "seed": 42, "reference": "base-qwen2-tiny"}}
-    base = E.evaluate(target=targets["base-qwen2-tiny"], out_completions=tmp / "base/completions.jsonl",
+    base = evaluate(target=targets["base-qwen2-tiny"], out_completions=tmp / "base/completions.jsonl",
                       out_metrics=tmp / "base/metrics.json", **common)
-    run = E.evaluate(target=targets["sft-qwen2-tiny"], adapter_dir=adapters["random"],
+    run = evaluate(target=targets["sft-qwen2-tiny"], adapter_dir=adapters["random"],
                      reference_completions=tmp / "base/completions.jsonl",
                      out_completions=tmp / "run/completions.jsonl", out_metrics=tmp / "run/metrics.json", **common)
     return tmp, base, run
@@ -309,7 +316,7 @@ def test_eval_job_writes_rows_and_metrics(eval_jobs):
     # Win rates against the base's completions of the same prompts, recomputed from the two files.
     base_rows = read_jsonl(tmp / "base/completions.jsonl")
     for score in ("fn_unique_chars", "rm_reward_pythia_tiny"):
-        assert run["scores"][score]["win_rate"] == E.win_rate([r[score] for r in rows], [r[score] for r in base_rows])
+        assert run["scores"][score]["win_rate"] == win_rate([r[score] for r in rows], [r[score] for r in base_rows])
         assert base["scores"][score]["win_rate"] is None
     assert base["pairs"]["accuracy"] is None and run["pairs"]["accuracy"] is not None
     assert base["kl_k1"] is None and run["kl_k1"] == pytest.approx(sum(r["kl_k1"] for r in rows) / 6)
@@ -322,7 +329,7 @@ def test_collect_builds_one_database(eval_jobs, tmp_path):
     samples = tmp_path / "samples.jsonl"
     write_jsonl([{"run": "grpo-x", "step": 0, "prompt": "p", "completion": "c", "reward": 1.5, "mode": "train"}],
                 samples)
-    counts = E.collect([tmp / "base/completions.jsonl", tmp / "run/completions.jsonl"], tmp_path / "eval.sqlite",
+    counts = collect([tmp / "base/completions.jsonl", tmp / "run/completions.jsonl"], tmp_path / "eval.sqlite",
                        samples_files=[samples])
     assert counts == {"completions": 12, "metrics": 2, "training_samples": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.sqlite", "samples.jsonl"]  # no temporary left
@@ -330,12 +337,39 @@ def test_collect_builds_one_database(eval_jobs, tmp_path):
     assert db.execute("SELECT run, COUNT(*) FROM completions GROUP BY run ORDER BY run").fetchall() == [
         ("base-qwen2-tiny", 6), ("sft-qwen2-tiny", 6)]
     cols = [r[1] for r in db.execute("PRAGMA table_info(completions)")]
-    assert cols[:8] == E.COMPLETION_COLUMNS and "rm_reward_pythia_tiny" in cols
+    assert cols[:8] == COMPLETION_COLUMNS and "rm_reward_pythia_tiny" in cols
     assert db.execute("SELECT COUNT(*) FROM completions WHERE kl_k1 IS NULL").fetchone() == (6,)  # the base's
     (acc, win), = db.execute("SELECT pairs_accuracy, scores_fn_unique_chars_win_rate FROM metrics "
                              "WHERE run = 'sft-qwen2-tiny'").fetchall()
     assert acc is not None and 0 <= win <= 1
     assert db.execute("SELECT run, step, reward FROM training_samples").fetchall() == [("grpo-x", 0, 1.5)]
+
+
+def test_a_diverged_run_is_refused_before_anything_is_written(eval_jobs, tiny_model_dir, datasets, tmp_path):
+    """An adapter whose weights went NaN, as a run that diverged before training stopped on it left them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snaketrl.divergence import Diverged
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+    model.save_pretrained(tmp_path / "adapter")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "adapter")
+    tmp = eval_jobs[0]
+    target = {"kind": "run", "run": "sft-qwen2-tiny", "model": "qwen2-tiny", "trainer": "sft", "seed": 42,
+              "reference": None}
+    with pytest.raises(Diverged, match=r"^evaluation of run 'sft-qwen2-tiny': nll is nan; its model diverged in "
+                                       r"training: train it again \(try a lower learning_rate, max_grad_norm > 0, "
+                                       r"or bf16 off\)$"):
+        evaluate(target=target, settings=check_evaluation(SETTINGS, _runs(), datasets), model_dir=tiny_model_dir,
+                 adapter_dir=tmp_path / "adapter", references_file=tmp / "references.jsonl",
+                 pairs_file=tmp / "pairs.jsonl", out_completions=tmp_path / "out/completions.jsonl",
+                 out_metrics=tmp_path / "out/metrics.json", threads=1)
+    assert not (tmp_path / "out").exists()
 
 
 # --- Bad input ---------------------------------------------------------------------------------------
@@ -380,7 +414,7 @@ def test_bad_evaluation_config_is_one_line(section, message, datasets):
     if message is None:
         assert str(err.value).startswith("config: evaluation.lm_eval.tasks: ")
         assert "snaketrl_arithmetc" in str(err.value)
-        if E._lm_eval_available():
+        if _lm_eval_available():
             assert "unknown lm-eval task 'snaketrl_arithmetc' (did you mean 'snaketrl_arithmetic'?)" in str(err.value)
     else:
         assert str(err.value) == message
@@ -400,7 +434,7 @@ def test_eval_rows_are_checked_before_any_model_loads(tmp_path, datasets):
     settings = check_evaluation({"prompts": "tldr"}, _runs(), datasets)
     with pytest.raises(DataError, match=r"^evaluate sft-x: .*prompts.jsonl: no column 'prompt' \(generation needs "
                                         r"prompt\); columns are \['question'\]$"):
-        E.evaluate(target={"run": "sft-x", "model": "m", "trainer": "sft"}, settings=settings,
+        evaluate(target={"run": "sft-x", "model": "m", "trainer": "sft"}, settings=settings,
                    model_dir=tmp_path / "no-model", prompts_file=tmp_path / "prompts.jsonl",
                    out_completions=tmp_path / "c.jsonl", out_metrics=tmp_path / "m.json")
 
@@ -417,7 +451,7 @@ def test_eval_targets_add_base_jobs_and_references(datasets):
 
 
 def test_parse_time_checks_import_no_torch():
-    code = ("import sys, yaml; from snaketrl.evaluation_config import check_evaluation; import snaketrl.evaluate; "
+    code = ("import sys, yaml; from snaketrl.config.evaluation import check_evaluation; import snaketrl.evaluate.job; "
             "ds = yaml.safe_load(open('config/config.yaml'))['datasets']; "
             "check_evaluation({'prompts': 'tldr', 'lm_eval': {'tasks': ['snaketrl_arithmetic']}}, "
             "{'a': {'trainer': 'sft', 'model': 'm', 'policy': None, 'seed': 1}}, ds); "
@@ -433,18 +467,30 @@ def test_lm_eval_runs_the_project_task_offline(loaded, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    got = E.lm_eval_run(loaded.model, loaded.tokenizer, ["snaketrl_arithmetic"], limit=4, batch_size=4)
+    got = lm_eval_run(loaded.model, loaded.tokenizer, ["snaketrl_arithmetic"], limit=4, batch_size=4)
     assert set(got) == {"snaketrl_arithmetic"}
     assert got["snaketrl_arithmetic"]["exact_match,final-number"] == 0.0  # a random tiny model
     assert got["snaketrl_arithmetic"]["sample_len"] == 4
+
+
+def test_project_task_data_is_an_input_and_the_job_reads_the_copy_it_is_given():
+    """The arithmetic task's data ships with the workflow: the eval job gets the workflow's copy as an input
+    (from any working directory) and lm-eval loads the task with that file; other tasks go by name."""
+    from snaketrl.evaluate.harness import project_task_files, task_specs
+
+    assert project_task_files(["snaketrl_arithmetic", "hellaswag"]) == ["data/samples/arithmetic.jsonl"]
+    [spec, other] = task_specs(["snaketrl_arithmetic", "hellaswag"], {"data/samples/arithmetic.jsonl": "/w/a.jsonl"})
+    assert spec["task"] == "snaketrl_arithmetic" and spec["dataset_kwargs"]["data_files"] == {"test": "/w/a.jsonl"}
+    assert spec["doc_to_text"] == "Question: {{question}}\nAnswer:" and other == "hellaswag"
+    assert task_specs(["snaketrl_arithmetic"], None) == ["snaketrl_arithmetic"]
 
 
 def test_unknown_lm_eval_task_at_job_time():
     pytest.importorskip("lm_eval")
     with pytest.raises(ConfigError, match=r"^evaluation.lm_eval.tasks: unknown lm-eval task 'snaketrl_arith' "
                                           r"\(did you mean 'snaketrl_arithmetic'\?\); project tasks "
-                                          r"\(snaketrl/lm_eval_tasks\) are \['snaketrl_arithmetic'\]$"):
-        E.lm_eval_task_manager(["snaketrl_arith"])
+                                          r"\(snaketrl/evaluate/lm_eval_tasks\) are \['snaketrl_arithmetic'\]$"):
+        lm_eval_task_manager(["snaketrl_arith"])
 
 
 def test_k1_on_sampled_completions_estimates_the_exact_kl(loaded):
@@ -453,10 +499,10 @@ def test_k1_on_sampled_completions_estimates_the_exact_kl(loaded):
 
     import torch
 
-    gen = E.generate(loaded.model, loaded.tokenizer, ["She walked into the room and saw a"] * 2000,
+    gen = generate(loaded.model, loaded.tokenizer, ["She walked into the room and saw a"] * 2000,
                      max_new_tokens=1, do_sample=True, batch_size=500, seed=0)
-    k1 = E.kl_to_reference(loaded, gen, batch_size=500)
-    ids = torch.tensor([gen.prompt_ids[0]])
+    k1 = kl_to_reference(loaded, gen, batch_size=500)
+    ids = torch.tensor([gen.prompt_ids[0]], device=loaded.model.device)
     with torch.no_grad():
         run = loaded.model(input_ids=ids).logits[0, -1].log_softmax(-1)
         with loaded.reference():
@@ -470,7 +516,7 @@ def test_schema_section_validates_and_agrees_with_the_defaults(config):
     import yaml
 
     from snaketrl.config import validate
-    from snaketrl.evaluation_config import DEFAULTS
+    from snaketrl.config.evaluation import DEFAULTS
 
     config["evaluation"] = {"prompts": {"dataset": "tldr", "size": 32}, "references": "tldr", "pairs": None,
                             "reward_funcs": ["unique_chars"], "lm_eval": {"tasks": ["snaketrl_arithmetic"]}}
@@ -486,7 +532,7 @@ def test_schema_section_validates_and_agrees_with_the_defaults(config):
 
 def test_eval_job_inputs_name_the_workflow_files(datasets):
     from snaketrl import paths
-    from snaketrl.evaluation_config import eval_job_inputs
+    from snaketrl.config.evaluation import eval_job_inputs
 
     ev = check_evaluation({"prompts": "tldr", "pairs": "descriptiveness", "reward_models": ["reward-pythia-tiny"]},
                           _runs(), datasets)

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from snaketrl import paths
-from snaketrl.data import fetch
+from snaketrl.data.fetch import fetch
 from snaketrl.hub import HubUnreachable
-from snaketrl.models import download
+from snaketrl.models.download import download
 
 
 def fake_model_repo(root):

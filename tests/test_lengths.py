@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from snaketrl.data import preprocess, read_jsonl
-from snaketrl.lengths import choose_max_length, length_stats, padding_share, sequence_lengths
+from snaketrl.data.lengths import choose_max_length, length_stats, padding_share, sequence_lengths
+from snaketrl.data.preprocess import preprocess
+from snaketrl.io import read_jsonl
 
 
 def test_choose_max_length_rounds_up_the_keep_share_quantile():

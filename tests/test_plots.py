@@ -2,7 +2,7 @@ import json
 
 import pandas as pd
 
-from snaketrl.plots import group_metrics, log_frame, plot_run
+from snaketrl.report.plots import group_metrics, log_frame, plot_run
 
 DPO_STATE = {"global_step": 4, "log_history": [
     {"loss": 0.69, "rewards/chosen": 0.0, "rewards/margins": 0.0, "logps/chosen": -50.0, "learning_rate": 1e-3,

@@ -6,11 +6,11 @@ import gc
 import json
 
 import pytest
-
-from snaketrl.data import read_jsonl, write_jsonl
-from snaketrl.trainers import REGISTRY
 from test_train import _interrupt_at_step_4
 from test_trainers import prepare
+
+from snaketrl.io import read_jsonl, write_jsonl
+from snaketrl.trainers import REGISTRY
 
 # 8 prompts in batches of 4: 2 batches a pass, 6 updates, so the checkpoint at update 3 sits inside the
 # second pass and the resumed run starts a third. Samples every 2nd update (1, 3, 5): the checkpoint's
@@ -19,19 +19,6 @@ ARGS = {"total_episodes": 24, "per_device_train_batch_size": 4, "per_device_eval
         "local_rollout_forward_batch_size": 4, "response_length": 8, "num_ppo_epochs": 1, "stop_token": "eos",
         "num_sample_generations": 3, "save_steps": 3, "save_total_limit": 2, "logging_steps": 1}
 CLOCK = {"eps", "train_runtime"}  # wall-clock throughput and duration: the only values allowed to differ
-
-
-@pytest.fixture(scope="module")
-def reward_dir(tmp_path_factory, tiny_model_dir):
-    """The tiny model as a sequence classifier: PPO's reward and value model, its score head fixed on disk."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("reward") / "model"
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
 
 
 @pytest.fixture
@@ -49,7 +36,7 @@ def ppo_inputs(tmp_path, config, tiny_model_dir, reward_dir):
 
 
 def _run(inputs, tmp_path, name):
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     train_run(**inputs, out_dir=tmp_path / name, checkpoint_dir=tmp_path / f"ckpt-{name}")
     return _outputs(tmp_path / name)
@@ -77,7 +64,7 @@ def test_killed_ppo_resumes_to_the_uninterrupted_result(ppo_inputs, tmp_path):
     assert {"adapter_model.safetensors", "value_model.safetensors", "optimizer.pt", "scheduler.pt",
             "rng_state.pth", "ppo_data_0.pt", "trainer_state.json"} <= {p.name for p in checkpoint.iterdir()}
 
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     train_run(**ppo_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt")
     resumed = _outputs(tmp_path / "out")
@@ -123,7 +110,7 @@ def test_uninterrupted_run_is_trls_ppo(ppo_inputs, tmp_path, monkeypatch):
 def test_checkpoint_of_another_reward_model_is_not_resumed(ppo_inputs, tmp_path, caplog):
     import shutil
 
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     _interrupt_at_step_4(ppo_inputs, tmp_path)
     shutil.copytree(ppo_inputs["reward_dir"], tmp_path / "reward2")
@@ -139,7 +126,7 @@ def test_checkpoint_of_another_reward_model_is_not_resumed(ppo_inputs, tmp_path,
 
 def test_checkpoint_cut_short_is_named(ppo_inputs, tmp_path):
     from snaketrl.errors import DataError
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     _interrupt_at_step_4(ppo_inputs, tmp_path)
     (tmp_path / "ckpt" / "checkpoint-3" / "value_model.safetensors").unlink()

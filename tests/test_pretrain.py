@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.errors import DataError
-from snaketrl.pretrain import generate_sample, pretrain, read_corpus
+from snaketrl.models.pretrain import generate_sample, pretrain, read_corpus
 
 TLDR = ROOT / "data" / "samples" / "tldr.jsonl"
 FAST = {"steps": 40, "batch_size": 8, "block_size": 64, "learning_rate": 3e-3, "seed": 0, "threads": 2}
@@ -61,3 +61,18 @@ def test_missing_corpus_file_is_one_line_naming_it(tmp_path, tiny_model_dir):
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match=r"notes\.csv: unsupported format '\.csv'"):
         read_corpus([tmp_path / "notes.csv"])
+
+
+def test_diverging_pretraining_is_one_line_naming_the_model_and_writes_nothing(tmp_path, tiny_model_dir):
+    from snaketrl.divergence import Diverged
+    from snaketrl.models.pretrain import pretrain_model
+
+    settings = {"steps": 10, "seed": 0, "block_size": 64, "batch_size": 8, "learning_rate": 1.0e+6, "eval_share": 0.1}
+    out = tmp_path / "models" / "qwen2-tiny"
+    with pytest.raises(Diverged, match=r"^model 'qwen2-tiny' diverged at step [1-9]: (loss|grad_norm|eval_loss) is "
+                                       r"(nan|inf) \((last finite loss \d+\.\d\d at step \d|no finite loss logged "
+                                       r"before); try a lower models\.qwen2-tiny\.tiny\.pretrain\.learning_rate\)$"):
+        pretrain_model(tiny_model_dir, [TLDR], out, tmp_path / "state.json", tmp_path / "metrics.json", settings,
+                       threads=2)
+    assert not out.exists() and not list(out.parent.iterdir())  # no model, not even a temporary one
+    assert not (tmp_path / "state.json").exists() and not (tmp_path / "metrics.json").exists()

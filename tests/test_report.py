@@ -2,10 +2,10 @@ import json
 import re
 
 import pandas as pd
-
-from snaketrl.plots import plot_run
-from snaketrl.report import load_runs, render, summary_table
 from test_plots import DPO_STATE
+
+from snaketrl.report.plots import plot_run
+from snaketrl.report.render import load_runs, render, summary_table
 
 RUNS = {"dpo-a": {"trainer": "dpo", "model": "a", "dataset": "uf", "args": {}},
         "dpo-b": {"trainer": "dpo", "model": "b", "dataset": "uf", "args": {}}}
@@ -59,3 +59,31 @@ def test_report_is_self_contained_and_lists_every_run(tmp_path):
     assert len(re.findall(r'src="data:image/png;base64,', html)) == 5
     assert not re.search(r'src="(?!data:)', html)
     assert "&#34;beta&#34;: 0.1" in html or '"beta": 0.1' in html
+
+
+def test_a_diverged_run_is_listed_as_such_and_not_ranked():
+    from snaketrl.report import leaderboard
+
+    def job(nll, acc):
+        return {"trainer": "sft", "model": "m", "references": {"nll": nll}, "pairs": {"accuracy": acc}}
+
+    metrics = {"a-s1": job(2.0, 0.5), "a-s2": job(2.2, 0.7), "b-s1": job(1.0, 0.9), "b-s2": job(float("nan"), 0.0),
+               "c-s1": job(3.0, 0.6)}
+    board, best = leaderboard.table(metrics, {job: job.split("-")[0] for job in metrics})
+    # b's finite seed alone would lead both columns; with a diverged seed it ranks nowhere.
+    assert best["NLL"]["group"] == "a" and best["pref. acc."]["group"] == "a"
+    assert board["mean"]["NLL"].isna().tolist() == [False, True, False]
+    assert board["info"]["diverged"].tolist() == [0, 1, 0]
+    html = leaderboard.to_html(board, best)
+    assert "<td>2 (1 diverged)</td>" in html and html.count("<td>diverged</td>") == 2
+    assert "nan" not in html.lower()
+
+
+def test_a_non_finite_headline_reads_diverged_in_the_summary():
+    from snaketrl.report.render import summarize
+
+    state = json.loads(json.dumps(DPO_STATE))
+    state["log_history"][2]["rewards/margins"] = float("nan")
+    lengths = {"max_length": 96, "share_truncated": 0.0}
+    row = summarize("dpo-a", RUNS["dpo-a"], state, lengths, None)
+    assert row["headline (first → last log)"] == "rewards/margins 0 → diverged"

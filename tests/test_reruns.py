@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import yaml
+from test_workflow import env
 
 from snaketrl import paths
 from snaketrl.config import check, validate
-from snaketrl.evaluation_config import check_evaluation, eval_job_inputs, eval_targets
+from snaketrl.config.evaluation import check_evaluation, eval_job_inputs, eval_targets
 from snaketrl.trainers import REGISTRY
-from test_workflow import env
 
 SCHEMA = "config/schema.yaml"
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from snaketrl.lengths import batch_efficiency, length_grouped_batches, length_grouped_order
-from snaketrl.sampler import ShuffledLengthGroupedSampler
+from snaketrl.data.lengths import batch_efficiency, length_grouped_batches, length_grouped_order
+from snaketrl.train.sampler import ShuffledLengthGroupedSampler
 
 
 def _skewed(n, seed=1):
@@ -86,9 +86,10 @@ def test_training_uses_it_and_measures_the_estimate(config, tiny_model_dir, tmp_
 
     from conftest import ROOT
     from snaketrl.config import check
-    from snaketrl.data import preprocess, read_jsonl, write_jsonl
-    from snaketrl.lengths import histogram
-    from snaketrl.train import train_run
+    from snaketrl.data.lengths import histogram
+    from snaketrl.data.preprocess import preprocess
+    from snaketrl.io import read_jsonl, write_jsonl
+    from snaketrl.train.run import train_run
 
     class Seen(TrainerCallback):
         samplers = []

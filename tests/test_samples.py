@@ -1,7 +1,7 @@
 import json
 
 from conftest import ROOT
-from snaketrl.samples import GENERATORS, write_samples
+from snaketrl.data.samples import GENERATORS, write_samples
 
 
 def test_shipped_samples_are_what_the_generator_writes(tmp_path):

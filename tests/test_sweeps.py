@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.config import ConfigError, check, validate
-from snaketrl.evaluation_config import check_evaluation
+from snaketrl.config.evaluation import check_evaluation
 
 SCHEMA = str(ROOT / "config" / "schema.yaml")
 ISSUE = {"dpo": {"beta": [0.05, 0.1, 0.5], "learning_rate": [1.0e-5, 5.0e-5]}}
@@ -182,7 +182,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 def test_sweep_table_and_plot_read_the_yardstick_per_combination():
     import base64
 
-    from snaketrl.sweeps import sweep_sections
+    from snaketrl.report.sweeps import sweep_sections
 
     runs, states, metrics = sweep_runs()
     dpo, reward = sweep_sections(runs, states, metrics)
@@ -201,8 +201,9 @@ def test_sweep_table_and_plot_read_the_yardstick_per_combination():
 
 def test_report_renders_the_sweep_section(tmp_path, monkeypatch):
     import test_report
-    from snaketrl.report import render
-    from snaketrl.sweeps import sweep_sections
+
+    from snaketrl.report.render import render
+    from snaketrl.report.sweeps import sweep_sections
 
     runs, _, metrics = sweep_runs()
     runs = {n: r for n, r in runs.items() if r["swept"] in ({"beta": 0.1, "learning_rate": 0.01},

@@ -6,9 +6,10 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.config import ConfigError, check
-from snaketrl.data import preprocess, read_jsonl, write_jsonl
-from snaketrl.lengths import histogram
-from snaketrl.train import train_run
+from snaketrl.data.lengths import histogram
+from snaketrl.data.preprocess import preprocess
+from snaketrl.io import read_jsonl, write_jsonl
+from snaketrl.train.run import train_run
 
 
 def _inputs(tmp_path, config, model_dir, trainer, dataset, layout, n_train, keep_share=0.99, round_to=8,

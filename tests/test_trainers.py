@@ -7,8 +7,9 @@ import pytest
 
 from conftest import ROOT
 from snaketrl.config import check
-from snaketrl.data import LAYOUTS, preprocess, read_jsonl, write_jsonl
-from snaketrl.lengths import tokenize_prompts
+from snaketrl.data.lengths import tokenize_prompts
+from snaketrl.data.preprocess import LAYOUTS, preprocess
+from snaketrl.io import read_jsonl, write_jsonl
 from snaketrl.trainers import REGISTRY
 
 DATA = {"language_modeling": ("tldr", {}), "preference": ("descriptiveness", {}), "prompt": ("tldr", {})}
@@ -76,7 +77,8 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
     import yaml
     from snakemake.utils import validate
 
-    from snaketrl.train import merge, train_run
+    from snaketrl.models.merge import merge
+    from snaketrl.train.run import train_run
 
     tmp = tmp_path_factory.mktemp("reward")
     cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
@@ -103,7 +105,7 @@ def test_reward_model_loads_as_classifier_and_beats_chance(reward_model_dir):
 
 @pytest.mark.parametrize("trainer", sorted(REGISTRY))
 def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, reward_model_dir):
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
     if REGISTRY[trainer].value_model:
@@ -119,7 +121,7 @@ def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, rew
 
 
 def test_grpo_scores_with_the_trained_reward_model(tmp_path, config, tiny_model_dir, reward_model_dir):
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     inputs = prepare(tmp_path, config, tiny_model_dir, "grpo", reward_model=None)
     inputs["run"]["reward_funcs"] = []
@@ -132,8 +134,8 @@ def test_reward_model_with_another_tokenizer_is_refused(tmp_path, tiny_model_dir
     from transformers import AutoTokenizer
 
     from snaketrl.config import ConfigError
-    from snaketrl.models import train_tokenizer
-    from snaketrl.train import check_reward_tokenizer
+    from snaketrl.models.tiny import train_tokenizer
+    from snaketrl.train.loading import check_reward_tokenizer
 
     other = train_tokenizer(["a small corpus for another tokenizer"] * 10, vocab_size=300)
     other.save_pretrained(tmp_path / "other")

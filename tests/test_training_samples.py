@@ -1,17 +1,17 @@
-"""Training-time samples of GRPO and PPO reach a JSON Lines file through snaketrl.training_samples.attach."""
+"""Training-time samples of GRPO and PPO reach a JSON Lines file through snaketrl.train.training_samples.attach."""
 
 import pytest
-
-from snaketrl import training_samples
-from snaketrl.data import read_jsonl
-from snaketrl.rewards import unique_chars
 from test_trainers import prepare
+
+from snaketrl.io import read_jsonl
+from snaketrl.rewards import unique_chars
+from snaketrl.train import training_samples
 
 
 @pytest.fixture
 def hooked(monkeypatch, tmp_path):
     """train_run with its trainer hooked right after it is built, as the train job will do it."""
-    import snaketrl.train as train
+    import snaketrl.train.run as train
 
     path = tmp_path / "samples.jsonl"
     original = train.load
@@ -33,7 +33,7 @@ def hooked(monkeypatch, tmp_path):
 
 
 def test_grpo_samples_every_generation_batch_with_its_rewards(hooked, tmp_path, config, tiny_model_dir):
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     inputs = prepare(tmp_path, config, tiny_model_dir, "grpo")
     train_run(**inputs)
@@ -53,7 +53,7 @@ def test_grpo_samples_every_generation_batch_with_its_rewards(hooked, tmp_path, 
 def test_ppo_sample_generations_are_kept(hooked, tmp_path, config, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from snaketrl.train import train_run
+    from snaketrl.train.run import train_run
 
     judge = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from snaketrl.train.fields import init_fields
 from snaketrl.trainers import REGISTRY, load
-from snaketrl.trl_fields import init_fields
 
 
 def test_static_fields_equal_the_dataclass_fields_of_every_trainer():

@@ -1,0 +1,231 @@
+"""What a user would write instead, against snaketrl's choice, on the same GPU in one run.
+
+For every run of the config (bench/gpu.yaml: issue 18's SFT on LIMA and DPO on hh-rlhf with a model of
+Qwen2.5-0.5B's shape) and every seed, one epoch in a process of its own for each arm:
+  trl         TRL's SFTTrainer / DPOTrainer written plainly, with their defaults (random batches padded to their
+              longest, TRL's activation checkpointing on), the same rows, model, LoRA, max_length and epochs
+  trl-packed  the same with packing=True (SFT only)
+  snaketrl    the workflow's train_run with the length stage's `auto` choice for this device and the
+              checkpointing it chooses from memory
+Prints real (non-pad) tokens per second of training steps, token efficiency, peak GPU memory, an MFU estimate,
+the eval loss (mean ± std over seeds), and the ratios against TRL's defaults, with the device's name.
+
+    python bench/gpu.py                                    # on a GPU machine: the table for the README
+    python bench/gpu.py --configfile config/config.yaml --runs sft-qwen2-tiny dpo-qwen2-tiny   # a CPU smoke run
+
+MFU counts the model FLOPs of the real tokens only (padding is waste, not work): a LoRA step with a frozen base
+costs per token 2N for the forward, 2N for the input gradients (the frozen weights need none) and 2N more for
+the forward that checkpointing recomputes, N the parameters every token passes through (decoder layers and
+the output head), plus attention's scores and weighted sum over the sequence (causal: half of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from efficiency import EPOCH, base_model, length_settings, load_config, loss_change, prepared, spread  # noqa: E402
+
+ARMS = ("trl", "trl-packed", "snaketrl")
+# Dense bf16 peaks (no sparsity) from the vendors' data sheets, matched on torch.cuda.get_device_name.
+PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0,
+               "L4": 121.0, "A10": 125.0}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s (the most specific name that matches), None when unknown."""
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name in device_name:
+            return PEAK_TFLOPS[name] * 1e12
+    return None
+
+
+def train_flops_per_token(config: dict, seq_len: float, checkpointing: bool) -> float:
+    """Model FLOPs of one trained token of a LoRA run on a decoder of `config` (its config.json), in sequences
+    of `seq_len` tokens on average."""
+    text = config.get("text_config", config)
+    h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or h // heads
+    kv = text.get("num_key_value_heads") or heads
+    inter = text.get("intermediate_size") or 4 * h
+    gated = text.get("model_type") not in ("gpt_neox", "gpt2")  # SwiGLU: gate, up and down projections
+    attention = 2 * h * heads * head_dim + 2 * h * kv * head_dim
+    mlp = (3 if gated else 2) * h * inter
+    params = layers * (attention + mlp) + h * vocab
+    passes = 3 if checkpointing else 2
+    scores = 2 * 2 * layers * heads * head_dim * seq_len / 2  # QK^T and AV, causal
+    return passes * (2 * params + scores)
+
+
+def plain_trl(job: dict) -> dict:
+    """The user's alternative: TRL's trainer with its defaults (packing as the arm says), one epoch."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snaketrl.io import read_jsonl
+    from snaketrl.train.tokens import TokenCounter
+    from snaketrl.trainers import REGISTRY, load
+
+    run, spec = job["run"], REGISTRY[job["run"]["trainer"]]
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    args = {key: value for key, value in run["args"].items() if key not in ("activation_checkpointing",)}
+    config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"], max_length=job["max_length"],
+                               bf16=bf16, **({"packing": True} if job["arm"] == "trl-packed" else {}),
+                               **{**args, **EPOCH})
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
+    counter = TokenCounter(tokenizer.pad_token_id)
+    trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
+                                 train_dataset=Dataset.from_list(read_jsonl(job["train"])),
+                                 eval_dataset=Dataset.from_list(read_jsonl(job["eval"])),
+                                 peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=[counter])
+    metrics = dict(trainer.train().metrics)
+    metrics.update(counter.summary())
+    metrics.update(trainer.evaluate())
+    metrics.update(activation_checkpointing=config.activation_checkpointing,
+                   batching="packed" if job["arm"] == "trl-packed" else "padded")
+    return metrics
+
+
+def snaketrl_choice(job: dict) -> dict:
+    from snaketrl.data.lengths import histogram
+    from snaketrl.train.run import train_run
+
+    work = Path(job["work"])
+    histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
+              job["run"]["name"])
+    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **EPOCH}}
+    return train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
+                     lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt")
+
+
+def worker(job_file: str) -> None:
+    """One epoch of one (run, seed, arm); prints one JSON line."""
+    import torch
+
+    job = json.loads(Path(job_file).read_text())
+    cuda = torch.cuda.is_available()
+    metrics = (snaketrl_choice if job["arm"] == "snaketrl" else plain_trl)(job)
+    config = json.loads((Path(job["model_dir"]) / "config.json").read_text())
+    seq_len = metrics["real_tokens"] / max(1, job["examples"] * (2 if job["run"]["trainer"] == "dpo" else 1))
+    flops = train_flops_per_token(config, seq_len, bool(metrics.get("activation_checkpointing")))
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_flops(device) if cuda else None
+    print("RESULT " + json.dumps({
+        "arm": job["arm"], "batching": metrics.get("batching"), "device": device,
+        "checkpointing": bool(metrics.get("activation_checkpointing")),
+        "efficiency": metrics["token_efficiency"], "tokens_per_s": metrics["real_tokens_per_second"],
+        "epoch_s": metrics["train_runtime"], "eval_loss": metrics["eval_loss"],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+        "mfu": metrics["real_tokens_per_second"] * flops / peak if peak else None}), flush=True)
+
+
+def measure(job: dict) -> dict:
+    Path(job["work"]).mkdir(parents=True, exist_ok=True)
+    job_file = Path(job["work"]) / "job.json"
+    job_file.write_text(json.dumps(job, default=str))
+    proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        out_of_memory = "OutOfMemoryError" in proc.stderr
+        print(f"{job['run']['name']} {job['arm']} seed {job['seed']} failed"
+              f"{' (out of memory)' if out_of_memory else ''}:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return {"arm": job["arm"], "failed": "out of memory" if out_of_memory else "error"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def table(name: str, results: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows: each arm (best tokens/s of its seeds, mean of the rest), then ratios to TRL's defaults."""
+    def best(arm, key, pick=max):
+        values = [r[key] for r in results[arm] if r.get(key) is not None]
+        return pick(values) if values else None
+
+    def fmt(value, spec):
+        return "" if value is None else format(value, spec)
+
+    rows = []
+    for arm, rs in results.items():
+        if any("failed" in r for r in rs):
+            rows.append(f"| {name} | {arm} | {rs[0].get('failed', next(r['failed'] for r in rs if 'failed' in r))} "
+                        f"| | | | | | |")
+            continue
+        r = rs[0]
+        rows.append(f"| {name} | {arm} ({r['batching']}, checkpointing {'on' if r['checkpointing'] else 'off'}) | "
+                    f"{fmt(best(arm, 'efficiency'), '.3f')} | {fmt(best(arm, 'tokens_per_s'), ',.0f')} | "
+                    f"{fmt(best(arm, 'epoch_s', min), '.1f')} | {fmt(best(arm, 'peak_gib'), '.1f')} | "
+                    f"{fmt(best(arm, 'mfu'), '.1%')} | {spread([x['eval_loss'] for x in rs])} |")
+    base = results.get("trl")
+    if base and not any("failed" in r for r in base):
+        for arm, rs in results.items():
+            if arm == "trl" or any("failed" in r for r in rs):
+                continue
+            rows.append(f"| {name} | **{arm} / trl** | | **{best(arm, 'tokens_per_s') / best('trl', 'tokens_per_s'):.2f}×** "
+                        f"| {best(arm, 'epoch_s', min) / best('trl', 'epoch_s', min):.2f}× | | | "
+                        f"{loss_change([x['eval_loss'] for x in rs], [x['eval_loss'] for x in base])} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", type=Path, default=ROOT / "bench" / "gpu.yaml")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every SFT and DPO run)")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--seeds", nargs="*", type=int, default=[42])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-gpu"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.worker:
+        return worker(opts.worker)
+
+    import contextlib
+    import os
+
+    from snaketrl.data.lengths import histogram
+    from snaketrl.io import read_jsonl
+    from snaketrl.trainers import REGISTRY
+
+    configfile = opts.configfile.resolve()
+    os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
+    config, runs = load_config(configfile)
+    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ("sft", "dpo")]
+    out = ["| run | arm | token efficiency | real tokens/s | epoch (s) | peak GPU memory (GiB) | MFU | eval loss |",
+           "|---|---|---|---|---|---|---|---|"]
+    device = None
+    for name in names:
+        run = runs[name]
+        model_dir = base_model(config, run["model"], opts.work)
+        train, evals = prepared(config, run, opts.work)
+        settings = length_settings(config, run, "auto")
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
+            stats = histogram(model_dir, train, settings, opts.work / f"{name}-lengths.json",
+                              opts.work / f"{name}-lengths.png", name)  # every arm trains at its max_length
+        results = {}
+        for arm in opts.arms:
+            if arm == "trl-packed" and "packed" not in REGISTRY[run["trainer"]].batching:
+                continue
+            for seed in opts.seeds:
+                job = {"run": run, "arm": arm, "seed": seed, "settings": settings, "model_dir": str(model_dir),
+                       "train": str(train), "eval": str(evals), "max_length": stats["max_length"],
+                       "examples": len(read_jsonl(train)), "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
+                result = measure(job)
+                device = result.get("device", device)
+                print(f"{name} {arm} seed {seed}: {result}", file=sys.stderr, flush=True)
+                results.setdefault(arm, []).append(result)
+        out += table(name, results)
+    print(f"device: {device}")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Completions of a set of prompts, batched, greedy unless asked to sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from snaketrl.data.lengths import prompt_texts
+from snaketrl.evaluate.loading import max_positions
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+@dataclass
+class Generated:
+    texts: list[str]  # decoded, special tokens dropped
+    n_tokens: list[int]  # generated tokens, the closing eos included (as TRL's completions/mean_length)
+    token_ids: list[list[int]] = field(repr=False)  # those tokens
+    prompt_ids: list[list[int]] = field(repr=False)  # the prompt as the model saw it (unpadded)
+
+
+def generate(model, tokenizer, prompts, *, max_new_tokens: int, do_sample: bool = False, batch_size: int = 16,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> Generated:
+    """One completion per prompt, in batches, left-padded; conversational prompts through the chat
+    template (snaketrl.data.lengths.prompt_texts). Greedy unless do_sample (then top_k is off, so the k1 KL
+    estimate sees the distribution sampled from). Prompts longer than the model's context minus
+    max_new_tokens keep their end."""
+    import torch
+    from transformers import GenerationConfig, set_seed
+
+    if not prompts:
+        return Generated([], [], [], [])
+    texts, special = prompt_texts(tokenizer, list(prompts))
+    keep = max(1, max_positions(model) - max_new_tokens)
+    prompt_ids = [ids[-keep:] for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+    stops = _stop_ids(model, tokenizer)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=stops, **({"temperature": temperature, "top_p": top_p, "top_k": 0}
+                                                     if do_sample else {}))
+    if seed is not None:
+        set_seed(seed)
+    device = next(model.parameters()).device
+    out_ids = []
+    for start in range(0, len(prompt_ids), batch_size):
+        batch = tokenizer.pad({"input_ids": prompt_ids[start:start + batch_size]}, padding=True,
+                              padding_side="left", return_tensors="pt").to(device)
+        with torch.inference_mode():
+            out = model.generate(**batch, generation_config=config)
+        for row in out[:, batch["input_ids"].shape[1]:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            out_ids.append(row[:cut])
+    return Generated([tokenizer.decode(ids, skip_special_tokens=True) for ids in out_ids],
+                     [len(ids) for ids in out_ids], out_ids, prompt_ids)

@@ -1,0 +1,169 @@
+"""The eval job: one run (or base model) on the configured prompts, references, pairs, reward functions,
+reward models and lm-eval tasks, into completions.jsonl and metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from snaketrl.divergence import HINT, Diverged, finite
+from snaketrl.errors import ConfigError, DataError
+from snaketrl.evaluate.generation import generate
+from snaketrl.evaluate.harness import lm_eval_run, lm_eval_task_manager, project_task_files
+from snaketrl.evaluate.kinds import check_rows, score_name
+from snaketrl.evaluate.likelihood import KL_ESTIMATOR, completion_nll, kl_to_reference, preference_accuracy
+from snaketrl.evaluate.loading import load_for_eval
+from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scores, reward_model_scores, win_rate
+from snaketrl.io import read_jsonl, write_json, write_jsonl
+
+log = logging.getLogger("snaketrl.evaluate")
+
+
+def _rows(path, kind: str, size, where: str) -> list[dict]:
+    rows = read_jsonl(path)
+    check_rows(rows, kind, f"{where}: {path}")
+    return rows[:size] if size else rows
+
+
+def _prompt_key(prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
+
+
+# What a diverged model scores as NaN or inf. A NaN reward or KL of one prompt is left out of its mean
+# (scoring.mean_std): the log-likelihood metrics are the ones that show it.
+HEADLINE = {"nll": ("references", "nll"), "preference accuracy": ("pairs", "accuracy"),
+            "logp accuracy": ("pairs", "logp_accuracy"), "margin": ("pairs", "margin"), "kl_k1": ("kl_k1",)}
+
+
+def check_finite(metrics: dict, target: dict) -> None:
+    """Refuse to report a model whose headline metrics (HEADLINE, each score's mean) are NaN or infinite."""
+    paths = {**HEADLINE, **{f"{score} mean": ("scores", score, "mean") for score in metrics.get("scores", {})}}
+    for label, path in paths.items():
+        value = metrics
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if not finite(value):
+            if target.get("run"):
+                raise Diverged(f"evaluation of run '{target['run']}': {label} is {value}; its model diverged in "
+                               f"training: train it again ({HINT})")
+            raise Diverged(f"evaluation of base model '{target['model']}': {label} is {value}; its weights give "
+                           f"non-finite scores")
+
+
+def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_metrics, adapter_dir=None,
+             prompts_file=None, references_file=None, pairs_file=None, reward_models: dict | None = None,
+             reference_completions=None, lm_eval_data=None, threads: int | None = None) -> dict:
+    """One eval job: the model (base + adapter, or a base alone) loaded once; every input checked before it
+    loads. `target`: run, model, trainer, seed (snaketrl.config.evaluation.eval_targets). `settings`: the
+    checked evaluation section. `reward_models`: run name -> merged directory. `reference_completions`: the
+    completions file of the reference's eval job (its base), for win rates. `lm_eval_data`: the workflow's
+    copies of the files the project's lm-eval tasks read, in harness.project_task_files order. Writes the
+    per-prompt JSON Lines and the metrics JSON, each atomically; returns the metrics."""
+
+    started = time.perf_counter()
+    name = target.get("name") or target["run"] or f"base-{target['model']}"
+    where = f"evaluate {name}"
+    reward_models = dict(reward_models or {})
+    gen = settings["generation"]
+    lm_tasks = settings["lm_eval"]["tasks"]
+    # Every input is checked before the model loads.
+    prompts_rows = _rows(prompts_file, "prompts", settings["prompts"]["size"], where) if prompts_file else None
+    ref_rows = _rows(references_file, "references", settings["references"]["size"], where) if references_file else None
+    pair_rows = _rows(pairs_file, "pairs", settings["pairs"]["size"], where) if pairs_file else None
+    reference = read_jsonl(reference_completions) if reference_completions else None
+    if reference is not None and prompts_rows is not None:
+        if [_prompt_key(r["prompt"]) for r in reference] != [_prompt_key(r["prompt"]) for r in prompts_rows]:
+            raise DataError(f"{where}: the reference's completions ({reference_completions}) are for other prompts; "
+                            f"rerun its eval job with the same evaluation.prompts")
+    manager = lm_eval_task_manager(lm_tasks) if lm_tasks else None
+    data_files = dict(zip(project_task_files(lm_tasks), lm_eval_data)) if lm_eval_data else None
+    for rm_name, rm_dir in reward_models.items():
+        if not (Path(rm_dir) / "config.json").is_file():
+            raise ConfigError(f"{where}: reward model '{rm_name}' has no merged model at {rm_dir}")
+
+    timing, metrics = {"checks": time.perf_counter() - started}, {}
+    t = time.perf_counter()
+    loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
+    seed = target.get("seed", 0)
+    timing["load"] = time.perf_counter() - t
+    rows = []
+    if prompts_rows is not None:
+        t = time.perf_counter()
+        prompts = [r["prompt"] for r in prompts_rows]
+        generated = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=gen["max_new_tokens"],
+                             do_sample=gen["do_sample"], batch_size=gen["batch_size"], temperature=gen["temperature"],
+                             top_p=gen["top_p"], seed=seed)
+        timing["generate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        kl = kl_to_reference(loaded, generated, batch_size=settings["batch_size"],
+                             temperature=gen["temperature"] if gen["do_sample"] else 1.0)
+        timing["kl"] = time.perf_counter() - t
+        rows = [{"prompt_id": i, "prompt": p, "completion": c, "n_tokens": n}
+                for i, (p, c, n) in enumerate(zip(prompts, generated.texts, generated.n_tokens))]
+        if kl is not None:
+            for row, value in zip(rows, kl):
+                row["kl_k1"] = value
+        metrics.update(n_prompts=len(rows), mean_length=mean_std(generated.n_tokens)["mean"],
+                       distinct_2=distinct_n(generated.texts, 2), kl_k1=mean_std(kl)["mean"] if kl else None,
+                       kl_estimator=KL_ESTIMATOR + ("" if gen["do_sample"] else " (greedy: a proxy, not unbiased)"))
+    if ref_rows is not None:
+        t = time.perf_counter()
+        metrics["references"] = completion_nll(loaded.model, loaded.tokenizer, [r["prompt"] for r in ref_rows],
+                                               [r["completion"] for r in ref_rows], batch_size=settings["batch_size"])
+        timing["nll"] = time.perf_counter() - t
+    if pair_rows is not None:
+        t = time.perf_counter()
+        metrics["pairs"] = preference_accuracy(loaded, [r["prompt"] for r in pair_rows],
+                                               [r["chosen"] for r in pair_rows], [r["rejected"] for r in pair_rows],
+                                               batch_size=settings["batch_size"])
+        timing["preference"] = time.perf_counter() - t
+    if lm_tasks:
+        t = time.perf_counter()
+        lm = settings["lm_eval"]
+        metrics["lm_eval"] = lm_eval_run(loaded.model, loaded.tokenizer, lm_tasks, limit=lm["limit"],
+                                         batch_size=lm["batch_size"], num_fewshot=lm["num_fewshot"], seed=seed,
+                                         task_manager=manager, data_files=data_files)
+        timing["lm_eval"] = time.perf_counter() - t
+    del loaded
+
+    if prompts_rows is not None:
+        t = time.perf_counter()
+        prompts, texts = [r["prompt"] for r in prompts_rows], [r["completion"] for r in rows]
+        columns = {k: [r.get(k) for r in prompts_rows] for k in prompts_rows[0] if k != "prompt"}
+        scores = reward_function_scores(settings["reward_funcs"], prompts, texts, columns)
+        for rm_name, rm_dir in reward_models.items():
+            scores[score_name("rm", rm_name)] = reward_model_scores(rm_dir, prompts, texts,
+                                                                     batch_size=settings["batch_size"])
+        timing["scores"] = time.perf_counter() - t
+        metrics["scores"] = {}
+        for score, values in scores.items():
+            for row, value in zip(rows, values):
+                row[score] = value
+            entry = mean_std(values)
+            entry["win_rate"] = (win_rate(values, [r.get(score) for r in reference])
+                                 if reference is not None else None)
+            metrics["scores"][score] = entry
+
+    check_finite(metrics, target)
+    info = {"run": name, "model": target["model"], "trainer": target["trainer"], "seed": seed,
+            "reference": target.get("reference")}
+    rows = [{**info, **row} for row in rows]
+    timing["total"] = time.perf_counter() - started
+    metrics = {**info, **metrics, "timing_s": timing}
+    write_jsonl(rows, out_completions)
+    write_json(metrics, out_metrics)
+    return metrics
+
+
+def main(argv=None) -> None:
+    import sys
+
+    job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    print(json.dumps(evaluate(**job), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""What each evaluation dataset is for, and the names of the scores: shared by the parse-time check
+(snaketrl.config.evaluation) and the eval job.
+"""
+
+from __future__ import annotations
+
+import re
+
+from snaketrl.errors import DataError
+
+# What each evaluation dataset is for: the layout it is prepared with (snaketrl.data.preprocess.LAYOUTS) and the
+# columns the metric needs. Preference rows without a prompt get one from the shared start of
+# chosen/rejected when preprocessed, so (chosen, rejected) datasets serve too.
+KINDS = {
+    "prompts": {"layout": "prompt", "needs": ("prompt",), "for": "generation"},
+    "references": {"layout": "language_modeling", "needs": ("prompt", "completion"), "for": "held-out NLL"},
+    "pairs": {"layout": "preference", "needs": ("prompt", "chosen", "rejected"), "for": "preference accuracy"},
+}
+
+
+def score_name(kind: str, name: str) -> str:
+    """A score's column name: `fn_<function>` or `rm_<reward model run>`, as an SQL identifier."""
+    return f"{kind}_" + re.sub(r"\W", "_", name.rsplit(":", 1)[-1] if kind == "fn" else name)
+
+
+def reward_func_name(entry) -> str:
+    return entry if isinstance(entry, str) else entry["function"]
+
+
+def check_rows(rows: list[dict], kind: str, where: str) -> None:
+    """The eval job's check of its rows, before any model loads (DataError)."""
+    if not rows:
+        raise DataError(f"{where}: no rows")
+    missing = next((c for c in KINDS[kind]["needs"] if c not in rows[0]), None)
+    if missing:
+        raise DataError(f"{where}: no column '{missing}' ({KINDS[kind]['for']} needs "
+                        f"{', '.join(KINDS[kind]['needs'])}); columns are {list(rows[0])}")

@@ -1,0 +1,145 @@
+"""Likelihood metrics: held-out NLL of reference completions, preference accuracy, a k1 KL estimate.
+"""
+
+from __future__ import annotations
+
+import math
+
+from snaketrl.data.lengths import _texts, prompt_texts
+from snaketrl.evaluate.generation import Generated
+from snaketrl.evaluate.loading import Loaded, max_positions
+
+KL_ESTIMATOR = ("k1: mean over completions of sum over completion tokens of log p_run - log p_base, on the run's "
+                "own completions")
+
+
+def encode_pairs(tokenizer, prompts, completions) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) per example, as TRL's SFT builds its completion mask: the prompt
+    rendered alone, and prompt+completion rendered together (chat template for conversations; plain text
+    gets the eos SFT appends); the completion is what follows the prompt's tokens."""
+
+    p_texts, p_special = prompt_texts(tokenizer, list(prompts))
+    full_texts, f_special = _texts(tokenizer, list(prompts), list(completions))
+    p_ids = tokenizer(p_texts, add_special_tokens=p_special)["input_ids"]
+    f_ids = tokenizer(full_texts, add_special_tokens=f_special)["input_ids"]
+    out = []
+    for p, f in zip(p_ids, f_ids):
+        n = len(p) if f[:len(p)] == p else _common_prefix(p, f)
+        out.append((f[:n], f[n:]))
+    return out
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, temperature: float = 1.0,
+                   max_length: int | None = None, start_token_id: int | None = None) -> list:
+    """log p(token | everything before it) of each completion token, per (prompt ids, completion ids)
+    pair. Batches are left-padded with explicit position ids, so every completion ends at the right edge
+    and only the last (longest completion + 1) positions' logits are computed where the model allows
+    (`logits_to_keep`): a long prompt costs no vocabulary-sized logits. A pair too long for `max_length`
+    (default: the model's context) loses prompt tokens from the left, then completion tokens from the
+    right; an empty prompt becomes `start_token_id` (default: the pad token)."""
+    import inspect
+
+    import numpy as np
+    import torch
+
+    max_length = max_length or max_positions(model)
+    start_token_id = pad_token_id if start_token_id is None else start_token_id
+    device = next(model.parameters()).device
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    can_keep = "logits_to_keep" in inspect.signature(inner.forward).parameters
+    out = []
+    for start in range(0, len(pairs), batch_size):
+        seqs, n_completion = [], []
+        for p, c in pairs[start:start + batch_size]:
+            c = list(c)[:max_length - 1]
+            p = list(p)[-(max_length - len(c)):] or [start_token_id]  # the first completion token needs a context
+            seqs.append(p + c)
+            n_completion.append(len(c))
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = max(n_completion) + 1
+        kwargs = {"logits_to_keep": keep} if can_keep else {}
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                           **kwargs).logits
+        logits = logits[:, -keep:].float()  # positions width-keep .. width-1
+        if temperature != 1.0:
+            logits = logits / temperature
+        # The logit at position j predicts token j+1; log_softmax only where gathered: logit - logsumexp.
+        targets = ids[:, width - keep + 1:].to(device)
+        lp = (logits[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits[:, :-1].logsumexp(-1)).cpu().numpy()
+        for i, n in enumerate(n_completion):
+            out.append(np.asarray(lp[i, lp.shape[1] - n:], dtype=np.float64))
+    return out
+
+
+def completion_nll(model, tokenizer, prompts, completions, *, batch_size: int = 16) -> dict:
+    """Held-out NLL of reference completions: loss on completion tokens only (as SFT's completion_only_loss),
+    mean per token over all references, and its perplexity."""
+    pairs = encode_pairs(tokenizer, prompts, completions)
+    lps = token_logprobs(model, pairs, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
+    total = sum(float(-x.sum()) for x in lps)
+    n = sum(len(x) for x in lps)
+    nll = total / n if n else None
+    return {"nll": nll, "perplexity": math.exp(nll) if nll is not None else None, "n_references": len(pairs),
+            "n_tokens": n}
+
+
+def sequence_logps(model, tokenizer, prompts, completions, *, batch_size: int = 16):
+    """log p(completion | prompt) summed over the completion's tokens, per example (numpy array)."""
+    import numpy as np
+
+    pairs = encode_pairs(tokenizer, prompts, completions)
+    lps = token_logprobs(model, pairs, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
+    return np.array([float(x.sum()) for x in lps])
+
+
+def preference_accuracy(loaded: Loaded, prompts, chosen, rejected, *, batch_size: int = 16) -> dict:
+    """On held-out pairs:
+    - `accuracy`: share of pairs where the run's implicit reward prefers chosen, as DPO's rewards/accuracies:
+      (logp_run(chosen) - logp_base(chosen)) > (logp_run(rejected) - logp_base(rejected)), ties not counted
+      as wins. Undefined (None) without a base to compare with: the base model itself, a merged model.
+    - `logp_accuracy`: share where logp(chosen) > logp(rejected) under the model itself (every row, the base's
+      included: what the run starts from).
+    - `margin`: mean implicit reward margin (beta = 1), None without a base."""
+    model, tok = loaded.model, loaded.tokenizer
+    run_c = sequence_logps(model, tok, prompts, chosen, batch_size=batch_size)
+    run_r = sequence_logps(model, tok, prompts, rejected, batch_size=batch_size)
+    out = {"n_pairs": len(run_c), "logp_accuracy": float((run_c > run_r).mean()) if len(run_c) else None,
+           "accuracy": None, "margin": None}
+    if loaded.has_reference and len(run_c):
+        with loaded.reference():
+            base_c = sequence_logps(model, tok, prompts, chosen, batch_size=batch_size)
+            base_r = sequence_logps(model, tok, prompts, rejected, batch_size=batch_size)
+        reward_c, reward_r = run_c - base_c, run_r - base_r
+        out["accuracy"] = float((reward_c > reward_r).mean())
+        out["margin"] = float((reward_c - reward_r).mean())
+    return out
+
+
+def kl_to_reference(loaded: Loaded, generated: Generated, *, batch_size: int = 16,
+                    temperature: float = 1.0) -> list[float] | None:
+    """Per completion, sum over its tokens of log p_run - log p_base, on the run's own completions: the
+    k1 estimator of KL(run || base) is their mean. Unbiased when the completions were sampled from the run
+    (generation.do_sample: true, temperature as given); on greedy completions it is the log-ratio of the
+    run's most likely continuations, a proxy. None for a model without a base (the base itself, merged)."""
+    if not loaded.has_reference:
+        return None
+    pairs = list(zip(generated.prompt_ids, generated.token_ids))
+    kw = dict(pad_token_id=loaded.tokenizer.pad_token_id, batch_size=batch_size, temperature=temperature)
+    run = token_logprobs(loaded.model, pairs, **kw)
+    with loaded.reference():
+        base = token_logprobs(loaded.model, pairs, **kw)
+    return [float((r - b).sum()) for r, b in zip(run, base)]

@@ -1,0 +1,58 @@
+"""A run's model for evaluation: base + LoRA adapter (the base one context away), or a plain model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from snaketrl.errors import ConfigError
+from snaketrl.models.tokenizer import prepare_tokenizer
+
+
+@dataclass
+class Loaded:
+    """A model in eval mode and its tokenizer (left padding, pad distinct from eos). `reference()` is a
+    context in which the model is its base: the adapter disabled (peft); None for a plain model."""
+
+    model: object
+    tokenizer: object
+    has_reference: bool = False
+    device: str = "cpu"
+
+    def reference(self):
+        if not self.has_reference:
+            raise ValueError("a plain (or merged) model has no base to disable its adapter to")
+        return self.model.disable_adapter()
+
+
+def load_for_eval(model_dir, adapter_dir=None, *, threads: int | None = None) -> Loaded:
+    """Base model + LoRA adapter (peft, adapter kept separate so `reference()` gives the base without a
+    second copy), or a plain/merged model. The tokenizer is the adapter's (training may have added a pad
+    token) or the model's."""
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    if adapter_dir is not None:
+        task = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("task_type")
+        if task not in (None, "CAUSAL_LM"):
+            raise ConfigError(f"evaluate: {adapter_dir} is a {task} adapter (a reward model), not a language "
+                              f"model; reward models judge (evaluation.reward_models), they are not evaluated")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir or model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    prepare_tokenizer(tokenizer, model, padding_side="left")
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.to(device).eval()
+    return Loaded(model, tokenizer, has_reference=adapter_dir is not None, device=device)
+
+
+def max_positions(model, default: int = 2048) -> int:
+    return getattr(model.config, "max_position_embeddings", None) or default

@@ -1,0 +1,38 @@
+"""Hub models: a snapshot of what training needs, or a local directory copied with the same filter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# What training needs: configs, tokenizer files and safetensors weights (no .bin, no optimizer states).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def download(name: str, entry: dict, out_dir: str | Path) -> None:
+    """snapshot_download of only what training needs; a local directory (pre-downloaded, or a test's
+    fake hub) is copied with the same filter."""
+    import fnmatch
+    import shutil
+
+    from snaketrl import hub
+
+    repo, out_dir = entry["hub"], Path(out_dir)
+    patterns = HUB_PATTERNS if entry.get("trust_remote_code") else [p for p in HUB_PATTERNS if p != "*.py"]
+    if Path(repo).is_dir():
+        for src in sorted(Path(repo).rglob("*")):
+            rel = src.relative_to(repo)
+            if src.is_file() and not rel.parts[0].startswith(".") and any(
+                    fnmatch.fnmatch(rel.name, p) for p in patterns):
+                (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, out_dir / rel)
+    else:
+        from huggingface_hub import snapshot_download
+
+        prefetch = (f"`hf download {repo} --local-dir DIR` (revision {entry.get('revision', 'main')}), copy DIR "
+                    f"here and set models.{name}.hub to DIR")
+        hub.require("model", name, repo, prefetch)
+        snapshot_download(repo, revision=entry.get("revision", "main"), local_dir=out_dir, allow_patterns=patterns)
+    if not any(out_dir.glob("*.safetensors")) and not any(out_dir.glob("*/*.safetensors")):
+        raise RuntimeError(f"model '{name}': '{repo}' has no safetensors weights; this workflow loads only "
+                           f"safetensors (convert the checkpoint first)")

@@ -1,0 +1,114 @@
+"""The TRL config a run trains with: the run's args checked against its trainer's config class, the
+hardware's bf16, the length stage's max_length and batching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from snaketrl.errors import ConfigError, did_you_mean
+from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
+
+# Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
+OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
+         **{key: "the length stage's batching choice (length.batching)" for key in BATCHING_FIELDS}}
+
+
+def check_args(trainer: str, args: dict, run: str = "?") -> type:
+    """Reject fields the trainer's TRL config class does not have, before anything heavy loads."""
+    cls = load(REGISTRY[trainer].config)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in args:
+        if key not in fields:
+            raise ConfigError(f"config: run '{run}': '{key}' is not a field of trl.{cls.__name__}"
+                              f"{did_you_mean(key, fields)}")
+        if key in OWNED:
+            raise ConfigError(f"config: run '{run}': '{key}' is set by {OWNED[key]}, not in args")
+    return cls
+
+
+def check_switches(trainer: str, args: dict, where: str, model: str, entry: dict) -> None:
+    """Memory switches that cannot work with this trainer or this model's loading, refused at parse time with
+    what to use instead (pure Python: the config check calls it; the train job again, before any model loads)."""
+    quant = entry.get("quantization")
+    if args.get("use_liger_kernel") and trainer == "ppo":
+        raise ConfigError(f"config: {where}: use_liger_kernel does nothing for PPO: TRL's PPOTrainer runs its own "
+                          f"loop, which never applies Liger's kernels (transformers' Trainer does, for the other "
+                          f"trainers); set it for the other trainers only (trainers.<name>.args)")
+    if args.get("activation_offloading") and quant:
+        raise ConfigError(f"config: {where}: activation_offloading with models.{model}.quantization {quant}: TRL "
+                          f"1.12's offloading copies activations on a side stream, and with bitsandbytes' dequantized "
+                          f"weights allocated and freed every matmul a run trained to NaN; use "
+                          f"activation_checkpointing_kwargs: {{offload: true}} (transformers' own offloading, on the "
+                          f"compute stream) or drop the quantization")
+
+
+def check_liger_model(args: dict, model_dir, run: str = "?", model: str | None = None) -> None:
+    """Liger patches a model by its `model_type`; one it has no kernels for would train unpatched, or fail inside
+    TRL's fused loss (which asks the forward for what only a patched one returns). Called where Liger is
+    installed (a CUDA job), before the model loads."""
+    if not args.get("use_liger_kernel"):
+        return
+    import json
+    from pathlib import Path
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ConfigError(f"config: run '{run}': use_liger_kernel: Liger has no kernels for models.{model} "
+                          f"(model_type {model_type}); it supports {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}: "
+                          f"set use_liger_kernel for the runs of those models only (runs.<name>.args)")
+
+
+def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None) -> None:
+    """Settings that need a CUDA GPU fail here, before any model loads, when none is visible."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available():
+        if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "
+                              f"(pip install liger-kernel)")
+        return
+    if args.get("use_liger_kernel"):
+        raise ConfigError(f"config: run '{run}': use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton "
+                          f"GPU kernels); none is visible")
+    if args.get("activation_offloading"):
+        raise ConfigError(f"config: run '{run}': activation_offloading moves activations from GPU to CPU memory and "
+                          f"needs a CUDA GPU; none is visible")
+    attention = (entry or {}).get("attn_implementation")
+    if attention and "flash" in attention:
+        raise ConfigError(f"config: models.{model}.attn_implementation: {attention} needs a CUDA GPU; none is visible")
+
+
+def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
+               batching: dict | None = None):
+    """The trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching` args, the
+    hardware's bf16."""
+    import torch
+
+    cls = check_args(trainer, args, run)
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    kwargs = {
+        "report_to": "none",
+        "seed": seed,
+        **args,
+        **(batching or {}),
+        # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
+        # a config may only turn it off.
+        "bf16": bf16 and args.get("bf16", True),
+        "output_dir": output_dir,
+    }
+    if REGISTRY[trainer].length_field:
+        kwargs[REGISTRY[trainer].length_field] = max_length
+    if REGISTRY[trainer].task_type == "SEQ_CLS" and kwargs.get("use_liger_kernel"):
+        # transformers' Trainer applies Liger to the model instance, and Liger's apply_liger_kernel_to_<type> then
+        # replaces the instance's forward with its causal-LM one (it reads self.lm_head) whatever the class; a
+        # sequence classifier has none. Its RMSNorm, RoPE and SwiGLU kernels need no head: keep those.
+        kwargs["liger_kernel_config"] = {**(kwargs.get("liger_kernel_config") or {}),
+                                         "fused_linear_cross_entropy": False}
+    if not kwargs["bf16"]:
+        kwargs.setdefault("fp16", False)
+    return cls(**kwargs)

@@ -1,0 +1,131 @@
+"""Batches run in two length groups of rows: TRL's collators pad every row of a batch to its longest (a
+preference batch's chosen and rejected rows too, and TRL 1.12's DPO ignores padding_free), so a batch of long
+chosen and short rejected answers is half padding even when length-grouped."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from snaketrl.data.lengths import row_groups
+
+# Forward arguments whose outputs are not per row (caches, hidden states, router losses): a forward given any
+# of them runs as one, as TRL calls it.
+WHOLE_BATCH = ("past_key_values", "output_hidden_states", "output_attentions", "output_router_logits")
+# Scalar means over a forward's label tokens: Liger's fused linear cross-entropy (TRL's SFTTrainer with
+# use_liger_kernel asks for `return_token_accuracy`) returns the batch's token accuracy as one number. The groups'
+# values are recombined weighted by each group's label tokens, as the loss is.
+LABEL_MEANS = ("token_accuracy",)
+
+
+def split_rows(model, pad_to_multiple_of: int | None = None):
+    """Make `model`'s forward run a right-padded batch (input_ids, attention_mask) as snaketrl.data.lengths.row_groups
+    says: each group trimmed to its longest row (rounded up to `pad_to_multiple_of`) and run on its own, and the
+    outputs put back in row order, padded to the batch's length (logits at padding positions are zeros: TRL
+    masks them). With `labels`, the loss is the groups' losses recombined as the whole batch's: summed when
+    divided by the batch's `num_items_in_batch`, else weighted by each group's label tokens. Exact up to float
+    rounding: a row's real tokens see only themselves (causal attention, right padding), and a trimmed column
+    is padding in every row of its group. Returns `model`."""
+    forward = model.forward
+
+    def split_forward(self, *args, **kwargs):
+        groups = _groups(args, kwargs, pad_to_multiple_of)
+        if groups is None:
+            return forward(*args, **kwargs)
+        rows, length = kwargs["input_ids"].shape
+        outputs = []
+        for group, width in groups:
+            index = torch.tensor(group, device=kwargs["input_ids"].device)
+            part = {key: _rows_of(value, index, width, rows, length) for key, value in kwargs.items()}
+            outputs.append((len(group), width, forward(**part)))
+        order = torch.tensor([row for group, _ in groups for row in group], device=kwargs["input_ids"].device)
+        inverse = torch.argsort(order)  # concatenated group rows -> the batch's row order
+        merged = {}
+        for key in outputs[0][2].keys():
+            values = [out[key] for _, _, out in outputs]
+            if key == "loss":
+                merged[key] = _loss(values, groups, kwargs)
+            elif key == "past_key_values":  # a cache of one group's rows serves nothing; generation never splits
+                continue
+            elif _is_total(key, values[0]):
+                merged[key] = sum(values)
+            elif key in LABEL_MEANS and torch.is_tensor(values[0]) and values[0].dim() == 0:
+                merged[key] = _label_mean(values, groups, kwargs)
+            else:
+                merged[key] = torch.cat([_padded(value, n, width, length, key)
+                                         for value, (n, width, _) in zip(values, outputs)])[inverse]
+        return type(outputs[0][2])(**merged)
+
+    model.forward = types.MethodType(split_forward, model)
+    return model
+
+
+def _groups(args, kwargs, multiple):
+    """[(rows, width)] for a batch this forward can split, else None (one group, or inputs it cannot split)."""
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if args or ids is None or mask is None or ids.dim() != 2 or mask.shape != ids.shape:
+        return None
+    if any(kwargs.get(key) is not None and kwargs.get(key) is not False for key in WHOLE_BATCH):
+        return None
+    rows, length = ids.shape
+    for value in kwargs.values():  # any other tensor must be per row (labels) or a scalar, else run it whole
+        if torch.is_tensor(value) and value.dim() and value.shape[:1] != (rows,):
+            return None
+    # A row's end: one past its last real token (all of it for rows without padding).
+    ends = (mask.bool() * torch.arange(1, length + 1, device=mask.device)).amax(dim=1).tolist()
+    groups = row_groups(ends)
+    if len(groups) == 1:
+        return None
+    widths = [max(ends[i] for i in group) for group in groups]
+    if multiple:
+        widths = [min(length, -(-width // multiple) * multiple) for width in widths]
+    return list(zip(groups, widths))
+
+
+def _label_counts(groups, kwargs):
+    """Each group's label tokens: those a causal LM scores (labels shifted by one, or pre-shifted `shift_labels`)."""
+    shifted = kwargs.get("shift_labels")
+    valid = shifted != -100 if shifted is not None else kwargs["labels"][:, 1:] != -100
+    return [valid[group].sum() for group, _ in groups]
+
+
+def _label_mean(values, groups, kwargs):
+    """A per-label-token mean of the whole batch from its groups' (a group without label tokens has none: 0/0)."""
+    counts = _label_counts(groups, kwargs)
+    total = sum(counts)
+    if not total:
+        return values[0]
+    return sum(value * count for value, count in zip(values, counts) if count) / total
+
+
+def _loss(losses, groups, kwargs):
+    """The whole batch's causal-LM loss from its groups' (transformers' ForCausalLMLoss: a sum over label
+    tokens divided by num_items_in_batch, or without it their mean)."""
+    if kwargs.get("num_items_in_batch") is not None:
+        return sum(losses)
+    return _label_mean(losses, groups, kwargs)
+
+
+def _is_total(key, value) -> bool:
+    """A scalar count or sum over the batch's tokens (TRL's chunked loss: correct tokens, entropy, valid tokens),
+    which the groups' values add up to."""
+    return torch.is_tensor(value) and value.dim() == 0 and (key.startswith("num_") or key.endswith("_sum"))
+
+
+def _rows_of(value, index, width, rows, length):
+    if not torch.is_tensor(value) or not value.dim():
+        return value
+    value = value.index_select(0, index)
+    return value[:, :width] if value.dim() >= 2 and value.shape[1] == length else value
+
+
+def _padded(value, n, width, length, key):
+    """One group's output, padded back to the batch's length where it has a sequence dimension."""
+    if not torch.is_tensor(value) or value.shape[:1] != (n,):
+        raise RuntimeError(f"snaketrl.train.batching.split_rows: the model's output '{key}' is not per row; "
+                           f"set length.batching to padded for this trainer")
+    if value.dim() >= 3 and value.shape[1] == width and width < length:  # (rows, tokens, ...): logits
+        return F.pad(value, (0, 0) * (value.dim() - 2) + (0, length - width))
+    return value

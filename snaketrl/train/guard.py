@@ -1,0 +1,94 @@
+"""Stops a diverging run (snaketrl.divergence) at the first log that shows it, and keeps it from resuming.
+
+The run's checkpoints stay for inspection; a marker beside them (`diverged.json`: where, what, the log
+history) makes a rerun with the same config and inputs refuse to train on, while a changed config or input
+starts over as any other change does (snaketrl.train.run.last_checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from snaketrl.divergence import HINT, Divergence, Diverged, Scanner, describe
+from snaketrl.trainers import REGISTRY
+
+MARKER = "diverged.json"
+# torch.multinomial's check: generation sampled from a policy whose probabilities went non-finite, the way a
+# diverged GRPO or PPO policy usually shows itself, one step after the update that broke it.
+NONFINITE_SAMPLING = "probability tensor contains either `inf`, `nan` or element < 0"
+
+
+def watched(trainer: str) -> tuple[str, ...]:
+    """The trainer's curve and headline metrics, for training and evaluation."""
+    spec = REGISTRY[trainer]
+    keys = (spec.overlay, *spec.headline)
+    return tuple(dict.fromkeys((*keys, *(k if k.startswith("eval_") else f"eval_{k}" for k in keys))))
+
+
+class DivergenceGuard(TrainerCallback):
+    """Scans every log; at the first divergence stops training, skips the step's evaluation and checkpoint (a
+    checkpoint of the broken weights would rotate the last finite one out under save_total_limit), and
+    `check` then writes the marker and raises `Diverged`."""
+
+    def __init__(self, run: str, trainer: str, checkpoint_dir, loss_scaling: bool = False):
+        self.run, self.checkpoint_dir = run, Path(checkpoint_dir)
+        self.keys, self.loss_scaling = watched(trainer), loss_scaling
+        self.scanner = Scanner(self.keys, loss_scaling)
+        self.divergence: Divergence | None = None
+        self.state = None
+
+    def _feed(self, entry: dict) -> None:
+        if self.divergence is None:
+            self.divergence = self.scanner.feed(entry)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed run's history is back in `state` by now: "last finite loss" may lie before the resume.
+        self.state, self.scanner, self.divergence = state, Scanner(self.keys, self.loss_scaling), None
+        for entry in state.log_history:
+            self._feed(entry)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._feed({**(logs or {}), "step": state.global_step})
+        if self.divergence is not None:
+            control.should_training_stop = True
+            control.should_evaluate = control.should_save = False
+
+    def check(self, metrics: dict | None = None) -> None:
+        """Raise `Diverged` (after writing the marker) if a log, or `metrics`, showed divergence."""
+        if metrics is not None and self.state is not None:
+            self._feed({**metrics, "step": self.state.global_step})
+        if self.divergence is not None:
+            self._fail()
+
+    def failed(self, err: BaseException) -> None:
+        """Raise `Diverged` from `err` if it is generation sampling from non-finite probabilities; else return."""
+        if NONFINITE_SAMPLING not in str(err):
+            return
+        step = self.state.global_step + 1 if self.state is not None else 1
+        self.divergence = self.divergence or Divergence(
+            step, "the policy's sampling probabilities are nan or inf", self.scanner.last_loss)
+        self._fail(err)
+
+    def _fail(self, cause: BaseException | None = None):
+        message = describe(f"run '{self.run}'", self.divergence)
+        if self.state is None or self.state.is_world_process_zero:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (self.checkpoint_dir / MARKER).write_text(json.dumps(
+                {"run": self.run, "step": self.divergence.step, "problem": self.divergence.problem,
+                 "message": message, "log_history": self.state.log_history if self.state is not None else []},
+                indent=2))
+        raise Diverged(message) from cause
+
+
+def refuse_resume(checkpoint_dir, run: str) -> None:
+    """Raise `Diverged` if the run in `checkpoint_dir` (made from this same config and inputs) diverged."""
+    marker = Path(checkpoint_dir) / MARKER
+    if not marker.is_file():
+        return
+    saved = json.loads(marker.read_text())
+    raise Diverged(f"run '{run}': its checkpoints in {checkpoint_dir} diverged at step {saved['step']} "
+                   f"({saved['problem']}) with this same config and inputs; change its config ({HINT}) or delete "
+                   f"{checkpoint_dir} to start over")

@@ -1,0 +1,215 @@
+"""TRL's PPOTrainer, resumable like every other trainer.
+
+trl 1.12's `PPOTrainer.train()` is one loop with no `resume_from_checkpoint`. It already writes a
+checkpoint at each `save_steps` update (policy adapter, optimizer, scheduler, RNG states, trainer state),
+but not the value model nor where its endless dataloader stands. This subclass adds those two, and on a
+resume loads everything back and lets TRL's own loop run the remaining updates: nothing of the loop is
+copied, so it stays TRL's algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate.data_loader import get_sampler
+from transformers import TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+from trl.experimental.ppo import PPOTrainer as TRLPPOTrainer
+
+from snaketrl.errors import DataError, SnaketrlError
+
+VALUE_MODEL = "value_model.safetensors"
+
+
+def data_state_name(process_index: int) -> str:
+    return f"ppo_data_{process_index}.pt"
+
+
+class ReplayableLoader:
+    """Iterates a dataloader pass after pass, as TRL's `repeat_generator` asks, and knows where it is.
+
+    A shuffling pass draws its order from the RNG at the pass's first batch (torch's global RNG on one
+    process, the sampler's generator under accelerate's multi-process sharding), and by then generation
+    has drawn from the same RNG. So the position is the RNG state each pass began with plus the batches
+    taken from it: a resumed run rebuilds that pass from that state, takes as many batches, and only
+    then gets the checkpoint's RNG state back.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.passes = 0  # passes begun
+        self.taken = 0  # batches taken from the current pass
+        self.start: dict | None = None
+        self._current = None
+
+    def __iter__(self):
+        current, self._current = self._current, None
+        return current if current is not None else self._pass()
+
+    def _pass(self):
+        self.start = self._rng_states()
+        self.passes += 1
+        self.taken = 0
+        for batch in self.loader:
+            self.taken += 1
+            yield batch
+
+    def _generator(self):
+        generator = getattr(get_sampler(self.loader), "generator", None)
+        return generator if isinstance(generator, torch.Generator) else None
+
+    def _rng_states(self) -> dict:
+        generator = self._generator()
+        return {"cpu": torch.get_rng_state(), "sampler": generator.get_state() if generator is not None else None}
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes, "taken": self.taken, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Rebuild the pass `state` was in, up to its batch; this draws from the RNG (restore it after)."""
+        if not state["passes"]:
+            return
+        torch.set_rng_state(state["start"]["cpu"])
+        if state["start"]["sampler"] is not None:
+            self._generator().set_state(state["start"]["sampler"])
+        if hasattr(self.loader, "iteration"):  # accelerate's pass counter (a seedable sampler's epoch)
+            self.loader.iteration = state["passes"] - 1
+        self.passes = state["passes"] - 1
+        current = self._pass()
+        for _ in range(state["taken"]):
+            next(current)
+        self._current = current
+
+
+class _Stop(Exception):
+    """Ends TRL's PPO loop from its log call."""
+
+
+class _Resume(TrainerCallback):
+    """Puts the checkpoint's counters, log and RNG back after TRL's train() has zeroed its state, before
+    its first update."""
+
+    def __init__(self, trainer: PPOTrainer, checkpoint: str, saved: dict, max_steps: int):
+        self.trainer, self.checkpoint, self.saved, self.max_steps = trainer, checkpoint, saved, max_steps
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        for key in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+            setattr(state, key, self.saved[key])
+        state.max_steps = self.max_steps  # TRL set it to the updates left; save and stop decisions need all
+        self.trainer._load_rng_state(self.checkpoint)
+        # An uninterrupted run samples right after saving at this step; the sampling draws from the RNG.
+        if args.num_sample_generations > 0:
+            self.trainer.generate_completions(sampling=True)
+
+
+class PPOTrainer(TRLPPOTrainer):
+    """`train(resume_from_checkpoint=...)` continues from a checkpoint this class wrote; `train()` stops at the
+    log where a callback sets `should_training_stop`, and ends with the summary entry (runtime) other trainers
+    add to `log_history`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._training = False
+        self._passes = ReplayableLoader(self.dataloader)
+        # TRL samples when the loop's update count, which restarts at 1 on a resume, hits its period: it
+        # now asks every update, and generate_completions decides from the global step instead.
+        self._sample_every = self.sample_generations_freq if self.args.num_sample_generations > 0 else None
+        if self._sample_every:
+            self.sample_generations_freq = 1
+
+    def _autocast(self):
+        """bf16 autocast for everything TRL's loop runs. Other trainers get it from transformers' Trainer (its
+        Accelerator is built with the config's mixed precision); TRL's PPOTrainer builds its own Accelerator
+        without one, so generation, the reference/value/reward passes and the update run in the weights' own
+        dtypes. A 4-bit policy has mixed ones: peft's prepare_model_for_kbit_training leaves its norms, embeddings
+        and lm_head in fp32, then TRL's peft_module_casting_to_bf16 casts lm_head and the embeddings back to
+        bf16 while keeping the norms fp32, so fp32 hidden states meet a bf16 lm_head."""
+        if self.args.bf16:
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def generate_completions(self, sampling: bool = False):
+        if sampling and (self.state.global_step - 1) % self._sample_every:
+            return None
+        with self._autocast():
+            return super().generate_completions(sampling=sampling)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "eps" in logs:  # TRL divides all episodes by this session's time; a resumed run did fewer
+            started, episode = self._session
+            logs["eps"] = int((self.state.episode - episode) / (time.time() - started))
+        super().log(logs, start_time)
+        if self.control.should_training_stop and self._training:
+            raise _Stop  # TRL's loop never reads should_training_stop (snaketrl.train.guard sets it)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        out = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        out.mkdir(parents=True, exist_ok=True)
+        if self.args.should_save:
+            from safetensors.torch import save_model
+
+            save_model(self.accelerator.unwrap_model(self.model).value_model, str(out / VALUE_MODEL))
+        torch.save(self._passes.state_dict(), out / data_state_name(self.args.process_index))
+        super()._save_checkpoint(model, trial)  # trainer_state.json last: a checkpoint with it is whole
+
+    def _load_checkpoint(self, checkpoint: str) -> dict:
+        from safetensors.torch import load_model
+
+        path = Path(checkpoint)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise SnaketrlError(f"PPO resumes without DeepSpeed or FSDP only (their optimizer state is saved "
+                                f"another way); delete {path} to start over")
+        needed = [VALUE_MODEL, data_state_name(self.args.process_index), OPTIMIZER_NAME, SCHEDULER_NAME,
+                  TRAINER_STATE_NAME]
+        missing = [name for name in needed if not (path / name).is_file()]
+        if missing:
+            raise DataError(f"PPO checkpoint {path} lacks {', '.join(missing)} (written by another version or "
+                            f"cut short); delete it to start over")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self._load_from_checkpoint(checkpoint, model=unwrapped.policy)  # loads into the live parameters
+        load_model(unwrapped.value_model, str(path / VALUE_MODEL), device=str(self.accelerator.device))
+        # Trainer._load_optimizer_and_scheduler reads attributes TRL's PPOTrainer never sets.
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_NAME, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(path / SCHEDULER_NAME, weights_only=True))
+        self._passes.load_state_dict(torch.load(path / data_state_name(self.args.process_index), weights_only=True))
+        return json.loads((path / TRAINER_STATE_NAME).read_text())
+
+    def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
+        started = time.perf_counter()
+        total = self.args.num_total_batches
+        resume, episode = None, 0
+        if resume_from_checkpoint:
+            saved = self._load_checkpoint(resume_from_checkpoint)
+            resume = _Resume(self, resume_from_checkpoint, saved, total)
+            # The loop runs range(1, num_total_batches + 1): the updates left. Its `update` index is only
+            # read by the sampling period, which generate_completions takes from the global step.
+            self.args.num_total_batches = total - saved["global_step"]
+            self.callback_handler.callbacks.insert(0, resume)
+            episode = saved["episode"]
+        self._session = (time.time(), episode)  # for `eps`
+        loader, self.dataloader = self.dataloader, self._passes  # TRL's loop reads self.dataloader once
+        # TRL runs gc.collect() twice an update; each rescans every object alive now (modules, models),
+        # which outlive training anyway: seconds per update on a tiny model, none once they are frozen.
+        gc.freeze()
+        self._training = True
+        try:
+            with self._autocast():
+                super().train()
+        except _Stop:  # left at the log, before that update's checkpoint; the callbacks still hear the end
+            self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        finally:
+            self._training = False
+            gc.unfreeze()
+            self.dataloader = loader
+            self.args.num_total_batches = total
+            if resume is not None:
+                self.callback_handler.callbacks.remove(resume)
+        metrics = {"train_runtime": time.perf_counter() - started, "global_step": self.state.global_step}
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        return TrainOutput(self.state.global_step, None, metrics)

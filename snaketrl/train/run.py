@@ -1,0 +1,237 @@
+"""The train job: one resolved run with its TRL trainer, LoRA/QLoRA, resumable checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from snaketrl.io import read_jsonl
+from snaketrl.models.tokenizer import prepare_tokenizer
+from snaketrl.train.args import build_args, check_args, check_hardware, check_liger_model, check_switches
+from snaketrl.train.distributed import SHARDED
+from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
+from snaketrl.train.memory import choose_checkpointing, free_bytes
+from snaketrl.trainers import REGISTRY, load
+
+log = logging.getLogger("snaketrl.train")
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def last_checkpoint(checkpoint_dir: Path, parts: dict[str, str], run: str = "?") -> str | None:
+    """The newest checkpoint made from the same config and the same inputs (`parts`: name -> content hash);
+    checkpoints (or a divergence marker) of anything else are removed, and the log says what changed. Raises
+    Diverged if the same config and inputs diverged there (snaketrl.train.guard)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from snaketrl.train.guard import MARKER, refuse_resume
+
+    stamp = checkpoint_dir / "snaketrl_run.json"
+    old = json.loads(stamp.read_text()).get("parts", {}) if stamp.is_file() else {}
+    earlier = any(checkpoint_dir.glob("checkpoint-*")) or (checkpoint_dir / MARKER).is_file()
+    if earlier and old != parts:
+        changed = sorted(k for k in {*old, *parts} if old.get(k) != parts.get(k))
+        log.warning("checkpoints in %s were made with another %s: starting over", checkpoint_dir, ", ".join(changed))
+        shutil.rmtree(checkpoint_dir)
+    refuse_resume(checkpoint_dir, run)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps({"parts": parts}, indent=2))
+    return get_last_checkpoint(str(checkpoint_dir))
+
+
+def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
+    """What a trainer takes beyond model/args/data: reward functions, or PPO's reward and value models."""
+    if spec.reward_funcs:
+        from snaketrl.rewards import resolve
+
+        funcs = resolve(run["reward_funcs"])
+        if reward_dir:
+            check_reward_tokenizer(tokenizer, reward_dir, run["name"])
+            funcs.append(str(reward_dir))  # TRL loads it as a sequence classifier with its own tokenizer
+        return {"reward_funcs": funcs}
+    if spec.value_model:
+        check_reward_tokenizer(tokenizer, reward_dir, run["name"])
+        entry = {"trust_remote_code": False}
+        # The value model starts as a copy of the reward model; the reference is the adapter-free policy.
+        return {"reward_model": load_model(reward_dir, "reward", entry, bf16, "SEQ_CLS"),
+                "value_model": load_model(reward_dir, "value", entry, bf16, "SEQ_CLS"),
+                "ref_model": None}
+    return {}
+
+
+def forward_tokens(spec, args, max_length: int) -> int:
+    """Tokens of one training forward at most: rows (a preference pair is two) x their longest; an online
+    trainer's rows are a prompt (cut to max_length) and its completion."""
+    rows = args.per_device_train_batch_size * (2 if spec.layout == "preference" else 1)
+    completion = getattr(args, "max_completion_length", None) or getattr(args, "response_length", None) or 0
+    return rows * (max_length + (completion if spec.length_field is None else 0))
+
+
+def split_model_rows(trainer) -> None:
+    """Run the trainer's (and a separate reference model's) forward passes in row groups (snaketrl.train.batching)."""
+    from snaketrl.train.batching import split_rows
+
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            split_rows(model, trainer.args.pad_to_multiple_of)
+
+
+def with_lengths(dataset, tokenizer, layout: str, column: str):
+    """`dataset` with each example's tokens (a pair's longer side) in `column`: TRL tokenizes preference
+    pairs into columns the length-grouped sampler cannot measure, so it reads this one."""
+    from snaketrl.data.lengths import sequence_lengths
+
+    return dataset.add_column(column, sequence_lengths(dataset.to_list(), tokenizer, layout).tolist())
+
+
+def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
+              reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
+    """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
+    and manifest.json into out_dir, each whole or not at all."""
+    import torch
+
+    from snaketrl import manifest
+    from snaketrl.io import atomic, hash_path, write_json
+    from snaketrl.train import training_samples
+    from snaketrl.train.guard import DivergenceGuard
+    from snaketrl.train.tokens import TokenCounter
+
+    spec = REGISTRY[run["trainer"]]
+    lengths = json.loads(Path(lengths_file).read_text())
+    checkpoint_dir = Path(checkpoint_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The length stage's choice for this device (histograms written before it chose one: TRL's default).
+    choice = lengths.get("batching_by_device", {}).get(device) or lengths.get("batching", {})
+    batching, split = choice.get("args", {}), choice.get("split_rows", False)
+    check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
+    check_switches(run["trainer"], run["args"], f"run '{run['name']}'", run["model"], run["model_entry"])
+    check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
+    if device == "cuda":
+        check_liger_model(run["args"], model_dir, run["name"], run["model"])
+    build = dict(output_dir=str(checkpoint_dir), max_length=lengths["max_length"], seed=run["seed"], run=run["name"],
+                 batching=batching)
+    args = build_args(run["trainer"], run["args"], **build)
+    checkpointing = args.activation_checkpointing
+    if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
+        checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, args, lengths["max_length"]),
+                                                  2 if args.bf16 else 4, free_bytes(device))
+        log.info("%s: activation checkpointing %s: %s", run["name"], "on" if checkpointing else "off", why)
+        if checkpointing != args.activation_checkpointing:
+            args = build_args(run["trainer"], {**run["args"], "activation_checkpointing": checkpointing}, **build)
+    inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
+              "reward_model": reward_dir}
+    hashes = {name: hash_path(path) for name, path in inputs.items() if path}
+    samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
+    # Resume only what the same config and the same inputs started; a diverged one stops here, before loading.
+    parts = {"config": _fingerprint(run), **hashes}
+    resume = last_checkpoint(checkpoint_dir, parts, run["name"])
+    if resume:
+        log.info("resuming %s from %s", run["name"], resume)
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, set_seed
+
+    if threads:
+        torch.set_num_threads(threads)
+    set_seed(run["seed"])
+    entry = run["model_entry"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
+    sharded = run["distributed"] in SHARDED and args.world_size > 1  # launched: one process per GPU
+    model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type, sharded=sharded)
+    prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
+    check_lora_targets(model, run["lora"]["target_modules"], run["model"])
+    peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
+    extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
+
+    train_ds = Dataset.from_list(read_jsonl(train_file))
+    eval_ds = Dataset.from_list(read_jsonl(eval_file))
+    if batching.get("length_column_name"):
+        train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
+                             for ds in (train_ds, eval_ds))
+    counter = TokenCounter(tokenizer.pad_token_id)
+    guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
+    trainer_cls = load(spec.trainer)
+    if batching.get("train_sampling_strategy") == "group_by_length":
+        from snaketrl.train.sampler import with_grouped_sampler
+
+        trainer_cls = with_grouped_sampler(trainer_cls)
+    trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          processing_class=tokenizer, peft_config=peft_config,
+                          callbacks=[counter, guard, *(callbacks or [])], **extra)
+    if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
+        log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
+                    run["distributed"])
+        split = False
+    elif split and args.use_liger_kernel and spec.layout == "preference":
+        # TRL's fused Liger losses of preference trainers run the decoder themselves, never the model's forward
+        log.warning("%s: row groups are off under use_liger_kernel; TRL's fused loss pads each batch's rows "
+                    "together", run["name"])
+        split = False
+    elif split:
+        split_model_rows(trainer)
+    # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
+    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
+
+    training_samples.attach(trainer, samples, run["name"])
+    try:
+        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
+    except RuntimeError as err:
+        guard.failed(err)
+        raise
+    # A diverged run stops here, before any output exists; its checkpoints and log stay in checkpoint_dir.
+    guard.check(metrics)
+    metrics.update(counter.summary())
+    metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
+                   activation_checkpointing=bool(checkpointing))
+    if dropped is not None:
+        metrics["examples_dropped"] = dropped
+    if spec.evaluates:
+        metrics.update(trainer.evaluate())
+        guard.check(metrics)
+
+    out_dir = Path(out_dir)
+    with atomic(out_dir / "adapter", directory=True) as adapter_tmp:
+        trainer.save_model(str(adapter_tmp))  # collective under accelerate: every rank calls it
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(str(adapter_tmp))
+    if not trainer.is_world_process_zero():
+        return metrics
+    with atomic(out_dir / "trainer_state.json") as tmp:
+        trainer.state.save_to_json(str(tmp))
+    write_json(metrics, out_dir / "metrics.json")
+    training_samples.finish(samples, out_dir / "training_samples.jsonl")
+    manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
+                   inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
+                   device=device, resumed_from=resume)
+    return metrics
+
+
+def launch_env(environ=None) -> dict:
+    """launch_command's environment. Its processes start without Snakemake's script preamble, which is
+    what put this package on a conda job's sys.path (Snakemake unsets PYTHONPATH there): name its home."""
+    import os
+    import sys
+
+    environ = dict(os.environ if environ is None else environ)
+    home = str(Path(__file__).resolve().parents[2])
+    if home not in sys.path:
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, environ.get("PYTHONPATH")]))
+    return environ
+
+
+def main(argv=None) -> None:
+    import sys
+
+    job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    train_run(**job)
+
+
+if __name__ == "__main__":
+    main()

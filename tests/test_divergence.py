@@ -1,0 +1,182 @@
+"""A run that diverges stops with one line naming what went non-finite, where, and the usual causes."""
+
+import json
+import math
+import re
+
+import pytest
+from test_trainers import prepare
+
+from snaketrl.divergence import HINT, Divergence, Diverged, describe, first_divergence
+from snaketrl.smk import logged
+from snaketrl.train.guard import MARKER, DivergenceGuard, watched
+from snaketrl.train.run import train_run
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_nan_gradient_then_zero_loss_diverges_at_the_nan_step():
+    # As the issue's run logged it: transformers logs a window of NaN losses as 0.0.
+    history = [{"loss": 6.9, "grad_norm": 1.2, "step": 1}, {"loss": 6.2, "grad_norm": NAN, "step": 5},
+               {"loss": 0.0, "grad_norm": NAN, "step": 10}, {"train_loss": 0.344, "step": 10}]
+    found = first_divergence(history)
+    assert found == Divergence(5, "grad_norm is nan", ("loss", 6.2, 5))
+    assert describe("run 'sft-qwen2-tiny'", found) == (
+        "run 'sft-qwen2-tiny' diverged at step 5: grad_norm is nan (last finite loss 6.20 at step 5; try a lower "
+        "learning_rate, max_grad_norm > 0, or bf16 off)")
+
+
+def test_zero_loss_after_an_overflow_is_nan_under_fp16_loss_scaling():
+    # fp16's scaler skips a step whose gradients overflow: the overflow alone is no divergence there.
+    history = [{"loss": 3.1, "grad_norm": INF, "step": 2}, {"loss": 3.0, "grad_norm": 0.8, "step": 4},
+               {"loss": 0.0, "grad_norm": 0.0, "step": 6}]
+    assert first_divergence(history[:2], loss_scaling=True) is None
+    assert first_divergence(history, loss_scaling=True) == Divergence(6, "loss is nan (logged as 0.0)",
+                                                                      ("loss", 3.0, 4))
+    assert first_divergence(history).problem == "grad_norm is inf"
+
+
+def test_infinite_eval_loss_and_headline_metrics_diverge():
+    assert first_divergence([{"loss": 2.0, "step": 2}, {"eval_loss": INF, "step": 2}]) == Divergence(
+        2, "eval_loss is inf", ("loss", 2.0, 2))
+    dpo = [{"loss": 0.69, "rewards/margins": 0.1, "step": 1}, {"eval_rewards/margins": -INF, "step": 1}]
+    assert first_divergence(dpo, watched("dpo")).problem == "eval_rewards/margins is -inf"
+    assert first_divergence(dpo, watched("sft")) is None  # not a metric SFT logs
+
+
+def test_finite_logs_do_not_diverge():
+    # GRPO's loss is exactly 0.0 at its first steps; PPO logs val/ratio_var NaN for a single minibatch.
+    grpo = [{"loss": 0.0, "grad_norm": 0.4, "reward": 14.5, "step": 1}, {"loss": 0.03, "grad_norm": 0.5, "step": 2}]
+    ppo = [{"loss/policy_avg": -0.01, "objective/kl": 0.0, "val/ratio_var": NAN, "step": 1}]
+    assert first_divergence(grpo, watched("grpo")) is None
+    assert first_divergence(ppo, watched("ppo")) is None
+    assert describe("model 'm'", Divergence(1, "loss is nan")).endswith(f"(no finite loss logged before; {HINT})")
+
+
+def test_the_rule_prints_one_line(tmp_path, capfd):
+    from types import SimpleNamespace
+
+    smk = SimpleNamespace(rule="train", log=[str(tmp_path / "train.log")])
+    with pytest.raises(SystemExit), logged(smk, offline=False):
+        raise Diverged(describe("run 'sft-qwen2-tiny'", Divergence(5, "grad_norm is nan", ("loss", 6.2, 5))))
+    assert capfd.readouterr().err == (
+        "snaketrl: error in rule train: run 'sft-qwen2-tiny' diverged at step 5: grad_norm is nan (last finite loss "
+        "6.20 at step 5; try a lower learning_rate, max_grad_norm > 0, or bf16 off)\n")
+
+
+# The issue's planted settings; each trainer's own args where it needs them to diverge within a few steps.
+PLANTED = {"learning_rate": 1.0e+6, "max_grad_norm": 0, "max_steps": 8, "save_steps": 1}
+CASES = {
+    "sft": ({}, "grad_norm"),
+    "dpo": ({}, "grad_norm"),
+    "reward": ({}, "grad_norm"),
+    "grpo": ({}, "grad_norm"),
+    # Four epochs of two minibatches: updates after the first see the broken policy within the same log.
+    "ppo": ({"total_episodes": 32, "num_ppo_epochs": 4, "num_mini_batches": 2}, "loss/policy_avg"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _planted(tmp_path, config, tiny_model_dir, trainer, reward=None):
+    inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
+    inputs["run"]["args"].update(PLANTED)
+    if trainer == "ppo":
+        del inputs["run"]["args"]["max_steps"]
+        inputs["reward_dir"] = reward
+    # One thread: a 64-wide model gains nothing from more, and on a busy machine waiting threads cost 10x.
+    return {**inputs, "threads": 1}
+
+
+def _loss(key: str) -> str:
+    return rf"\(last finite {re.escape(key)} -?\d+\.\d\d at step \d+|\(no finite loss logged before"
+
+
+def _stopped_where_it_says(message: str, inputs) -> int:
+    """The step the message names: where the marker's log ends with the named value non-finite, before any
+    output was written and with the checkpoints before it kept."""
+    step, key = re.search(r"diverged at step (\d+): (\S+) is", message).groups()
+    saved = json.loads((inputs["checkpoint_dir"] / MARKER).read_text())
+    assert saved["message"] == message and saved["step"] == int(step)
+    last = [e for e in saved["log_history"] if key in e][-1]
+    assert last["step"] == int(step) and not math.isfinite(last[key])
+    _kept_before(int(step), inputs)
+    return int(step)
+
+
+def _kept_before(step: int, inputs) -> None:
+    """Nothing written to out_dir; the checkpoints of the steps before `step` kept (one saved each step), none of
+    the broken weights rotating the last finite one out."""
+    assert not inputs["out_dir"].exists()
+    kept = sorted(int(p.name.split("-")[1]) for p in inputs["checkpoint_dir"].glob("checkpoint-*"))
+    assert kept == list(range(max(1, step - inputs["run"]["args"]["save_total_limit"]), step))
+
+
+@pytest.mark.parametrize("trainer", CASES)
+def test_planted_learning_rate_stops_training_with_one_line(trainer, tmp_path, config, tiny_model_dir, reward_dir):
+    extra, key = CASES[trainer]
+    inputs = _planted(tmp_path, config, tiny_model_dir, trainer, reward_dir)
+    inputs["run"]["args"].update(extra)
+    with pytest.raises(Diverged, match=rf"^run 't-{trainer}' diverged at step \d+: {re.escape(key)} is (nan|inf) "
+                                       rf"({_loss('loss')}|{_loss('loss/policy_avg')}); {re.escape(HINT)}\)$") as err:
+        train_run(**inputs)
+    assert _stopped_where_it_says(str(err.value), inputs) < 8  # stopped there, not at the end
+
+
+def test_ppo_sampling_from_a_broken_policy_is_divergence(tmp_path, config, tiny_model_dir, reward_dir):
+    # One epoch per update: the broken policy shows first when the next update samples from it.
+    inputs = _planted(tmp_path, config, tiny_model_dir, "ppo", reward_dir)
+    inputs["run"]["args"].update(total_episodes=32)
+    with pytest.raises(Diverged, match=rf"^run 't-ppo' diverged at step \d+: the policy's sampling probabilities are "
+                                       rf"nan or inf {_loss('loss/policy_avg')}; {re.escape(HINT)}\)$") as err:
+        train_run(**inputs)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    saved = json.loads((inputs["checkpoint_dir"] / MARKER).read_text())
+    assert saved["message"] == str(err.value) and saved["log_history"][-1]["step"] == saved["step"] - 1
+    _kept_before(saved["step"], inputs)
+
+
+def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config, tiny_model_dir, caplog):
+    inputs = _planted(tmp_path, config, tiny_model_dir, "sft")
+    with pytest.raises(Diverged) as first:
+        train_run(**inputs)
+    step, problem = re.search(r"diverged at step (\d+): (.*?) \(", str(first.value)).groups()
+    ckpt = inputs["checkpoint_dir"]
+    with pytest.raises(Diverged, match=rf"^run 't-sft': its checkpoints in {re.escape(str(ckpt))} diverged at step "
+                                       rf"{step} \({re.escape(problem)}\) with this same config and inputs; change its "
+                                       rf"config \({re.escape(HINT)}\) or delete {re.escape(str(ckpt))} to start over$"):
+        train_run(**inputs)
+    assert not inputs["out_dir"].exists()
+
+    inputs["run"]["args"].update(learning_rate=5e-3, max_grad_norm=1.0)
+    with caplog.at_level("WARNING", logger="snaketrl.train"):
+        metrics = train_run(**inputs)
+    assert "were made with another config: starting over" in caplog.text
+    assert json.loads((inputs["out_dir"] / "manifest.json").read_text())["resumed_from"] is None
+    assert math.isfinite(metrics["eval_loss"]) and not (ckpt / MARKER).exists()
+
+
+def test_a_finite_run_is_untouched(tmp_path, config, tiny_model_dir, monkeypatch):
+    from transformers import TrainerCallback
+
+    def run(name):
+        inputs = prepare(tmp_path / name, config, tiny_model_dir, "sft")
+        inputs["run"]["args"].update(max_steps=4, save_steps=2)
+        train_run(**inputs, threads=1)
+        return json.loads((inputs["out_dir"] / "trainer_state.json").read_text())["log_history"], inputs
+
+    (tmp_path / "guarded").mkdir()
+    (tmp_path / "bare").mkdir()
+    guarded, inputs = run("guarded")
+    monkeypatch.setattr(DivergenceGuard, "on_log", TrainerCallback.on_log)  # the guard reads no log
+    bare, _ = run("bare")
+    losses = [[e["loss"] for e in history if "loss" in e] for history in (guarded, bare)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    assert not (inputs["checkpoint_dir"] / MARKER).exists()
