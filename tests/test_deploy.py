@@ -149,6 +149,24 @@ def test_a_remote_module_is_refused_at_parse_time_in_one_line(tmp_path):
             f"repository at that version and set the module's snakefile: to the clone's Snakefile") in proc.stderr
 
 
+def test_snakedeploy_from_a_local_clone_plans_the_default_after_the_readme_fix(tmp_path, in_clone_counts,
+                                                                             untouched_checkout):
+    """README's snakedeploy steps with the clone as the source: snakedeploy copies config/ and writes a module
+    whose `snakefile: "Snakefile"` resolves next to workflow/Snakefile (itself); the one line README says to
+    replace points it at the clone, and the deployment then plans the clone's jobs."""
+    user = tmp_path / "my-project"
+    proc = subprocess.run([shutil.which("snakedeploy"), "deploy-workflow", str(ROOT), str(user), "--tag", "v0"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (user / "config" / "config.yaml").read_text() == (ROOT / "config" / "config.yaml").read_text()
+    snakefile = user / "workflow" / "Snakefile"
+    written = snakefile.read_text()
+    assert re.search(r'snakefile:\s*\n\s*"Snakefile"\n', written), written
+    clone = os.path.relpath(ROOT / "Snakefile", snakefile.parent)
+    snakefile.write_text(re.sub(r'(snakefile:\s*\n\s*)"Snakefile"', rf'\1"{clone}"', written))
+    assert job_counts(user) == in_clone_counts
+
+
 def reduced_config():
     """The default cut to one tiny model, SFT alone, a short pretraining and an evaluation that still runs the
     project's lm-eval task (its data file ships with the workflow): a minute on 2 cores."""

@@ -21,7 +21,7 @@ from conftest import ROOT
 
 PKG = "snaketrl"
 # Tools of the submitting side: a job that needs one is a mistake in its env.
-NOT_IN_JOBS = {"pytest", "snakemake", "snakemake-executor-plugin-slurm"}
+NOT_IN_JOBS = {"pytest", "snakemake", "snakemake-executor-plugin-slurm", "snakedeploy"}
 
 
 def _name(dist: str) -> str:
