@@ -187,7 +187,7 @@ DEVICES = ("cpu", "cuda")
 # What was measured on CUDA (issue 18: SFT of a Qwen2.5-0.5B-shaped model on LIMA, one H100, bf16, sdpa, real
 # tokens/s against TRL's default): packing 1.4x, length-grouped batches run in two row groups 0.6x (two smaller
 # forwards leave the GPU idle between them). On a CPU every saved token is saved time and packing is 1.5-4.6x
-# slower (README, Batching).
+# slower (docs/batching.md).
 CUDA_PACKED = ("on CUDA packing measured 1.4x TRL's default real tokens/s (an H100, SFT of a Qwen2.5-0.5B shape "
                "on LIMA) and is exact: TRL's padding-free batches carry position_ids that restart per sequence, and "
                "transformers builds a block-diagonal mask from them (sdpa, eager, flex_attention) or passes the "
