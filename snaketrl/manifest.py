@@ -33,6 +33,28 @@ def git_commit() -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def numerics(dtype: str) -> dict:
+    """What decides a run's rounding besides its seed: the same seed gives bit-identical losses only where all of
+    these agree (torch picks its CPU kernels by capability, oneDNN by its ISA limit; threads split reductions)."""
+    import os
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "dnnl_max_cpu_isa": os.environ.get("DNNL_MAX_CPU_ISA"),
+            "threads": torch.get_num_threads(), "dtype": dtype}
+
+
 def write(path, *, resolved: dict, trl_args: dict, inputs: dict, **extra) -> dict:
     """`inputs`: name -> {path, sha256} of every file or directory the run read."""
     from snaketrl.io import write_json

@@ -1,6 +1,7 @@
 import copy
 from pathlib import Path
 
+import learning
 import pytest
 import yaml
 
@@ -39,7 +40,7 @@ def tiny_model_dir(tmp_path_factory):
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     out = tmp_path_factory.mktemp("models") / "qwen2-tiny"
     files = sorted((ROOT / "data" / "samples").glob("*.jsonl"))
-    build_tiny_from_files(cfg["models"]["qwen2-tiny"]["tiny"], files, out, seed=0)
+    build_tiny_from_files(cfg["models"]["qwen2-tiny"]["tiny"], files, out, seed=learning.seed(0))
     return out
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 
+import learning
 import pytest
 
 from conftest import ROOT
@@ -10,7 +11,7 @@ from snaketrl.errors import DataError
 from snaketrl.models.pretrain import generate_sample, pretrain, read_corpus
 
 TLDR = ROOT / "data" / "samples" / "tldr.jsonl"
-FAST = {"steps": 40, "batch_size": 8, "block_size": 64, "learning_rate": 3e-3, "seed": 0, "threads": 2}
+FAST = {"steps": 40, "batch_size": 8, "block_size": 64, "learning_rate": 3e-3, "seed": learning.seed(0), "threads": 2}
 
 
 def log_losses(out_dir):
@@ -24,7 +25,9 @@ def test_pretraining_lowers_the_held_out_loss(tmp_path, tiny_model_dir):
     losses, eval_losses = log_losses(tmp_path / "out")
     assert metrics["ln_vocab"] == pytest.approx(math.log(1024))
     assert eval_losses[0] > eval_losses[-1] == metrics["eval_loss"]
-    assert metrics["eval_loss"] < 4.0  # random init: ln(1024) = 6.93
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    learning.check("pretrain toy", learning.UNIT["test_pretraining_lowers_the_held_out_loss"], state, metrics,
+                   FAST["seed"])
     assert metrics["steps"] == 40 and metrics["tokens_seen"] == 40 * 8 * 64
     assert (tmp_path / "out" / "model.safetensors").is_file()
     text = generate_sample(tmp_path / "out", "SUBREDDIT: r/tifu\n\nTITLE:", max_new_tokens=8)

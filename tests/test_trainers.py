@@ -3,6 +3,7 @@
 import json
 import math
 
+import learning
 import pytest
 
 from conftest import ROOT
@@ -85,22 +86,24 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
     validate(cfg, str(ROOT / "config/schema.yaml"))
     inputs = prepare(tmp, copy.deepcopy(cfg), tiny_model_dir, "reward")
     inputs["run"]["args"].update(max_steps=30, eval_strategy="no")
+    inputs["run"]["seed"] = learning.seed(inputs["run"]["seed"])
     rows = preprocess(read_jsonl(ROOT / "data/samples/descriptiveness.jsonl"), dataset="d", trainer="reward",
                       layout="preference", columns={}, split="train").rows
     write_jsonl(rows[:300], tmp / "train.jsonl")
     write_jsonl(rows[300:], tmp / "eval.jsonl")
     metrics = train_run(**inputs)
     merge(tmp / "out" / "adapter", tiny_model_dir, tmp / "merged", "SEQ_CLS")
-    return tmp / "merged", metrics
+    return tmp / "merged", metrics, inputs["run"]["seed"]
 
 
 def test_reward_model_loads_as_classifier_and_beats_chance(reward_model_dir):
     from transformers import AutoModelForSequenceClassification
 
-    path, metrics = reward_model_dir
+    path, metrics, seed = reward_model_dir
     model = AutoModelForSequenceClassification.from_pretrained(path)
     assert model.config.num_labels == 1 and model.score.out_features == 1
-    assert metrics["eval_accuracy"] >= 0.8  # 100 held-out pairs; chance is 0.5
+    learning.check("reward toy", learning.UNIT["test_reward_model_loads_as_classifier_and_beats_chance"], {},
+                   metrics, seed)  # 100 held-out pairs
 
 
 @pytest.mark.parametrize("trainer", sorted(REGISTRY))

@@ -209,7 +209,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     training_samples.finish(samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
                    inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
-                   device=device, resumed_from=resume)
+                   device=device, resumed_from=resume,
+                   numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
     return metrics
 
 
