@@ -72,14 +72,23 @@ def fetchable(entry: dict) -> dict:
 
 
 def base_model(config: dict, name: str, work: Path) -> Path:
-    """The run's base: a tiny model built and pretrained from its config entry, once per work dir."""
+    """The run's base, once per work dir: a tiny model built and pretrained from its config entry, or a hub or
+    gguf model as the download_model job makes it."""
     import contextlib
 
+    from snaketrl.config import gguf_file
+    from snaketrl.models.download import download
     from snaketrl.models.pretrain import pretrain_model
     from snaketrl.models.tiny import build_tiny_from_files
 
-    tiny = config["models"][name]["tiny"]
+    entry = config["models"][name]
     init, out = work / "models" / f"{name}-init", work / "models" / name
+    if "tiny" not in entry:
+        if not out.is_dir():
+            with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
+                download(name, entry, out, gguf_file(entry, shipped).get("gguf"))
+        return out
+    tiny = entry["tiny"]
     if not out.is_dir():
         corpus = [corpus_file(config, item, work) for item in tiny["corpus"]]
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
@@ -118,7 +127,8 @@ def length_settings(config: dict, run: dict, batching: str) -> dict:
     return canonical({**{k: v for k, v in config["length"].items() if k != "batching"},
                       "trainer": run["trainer"], "layout": REGISTRY[run["trainer"]].layout,
                       "batch_size": run["args"].get("per_device_train_batch_size", 8), "seed": config["seed"],
-                      "batching": batching, "attn_implementation": run["model_entry"].get("attn_implementation")})
+                      "batching": batching, "attn_implementation": run["model_entry"].get("attn_implementation"),
+                      **({"chat": True} if run.get("chat") else {})})
 
 
 def cpu_clock():

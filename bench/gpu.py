@@ -1,16 +1,21 @@
-"""What a user would write instead, against snaketrl's choice, on the same GPU in one run.
+"""What a user would write instead, against snaketrl's choice, on the same GPU (or CPU) in one run.
 
 For every run of the config (bench/gpu.yaml: issue 18's SFT on LIMA and DPO on hh-rlhf with a model of
-Qwen2.5-0.5B's shape) and every seed, one epoch in a process of its own for each arm:
+Qwen2.5-0.5B's shape; bench/smollm2.yaml: the same data on SmolLM2-135M-Instruct, on CPU) and every seed, one
+epoch (or --max-steps steps) in a process of its own for each arm, every arm on the same rows (a chat model's as
+chat turns, as the workflow gives them):
   trl         TRL's SFTTrainer / DPOTrainer written plainly, with their defaults (random batches padded to their
               longest, TRL's activation checkpointing on), the same rows, model, LoRA, max_length and epochs
   trl-packed  the same with packing=True (SFT only)
   snaketrl    the workflow's train_run with the length stage's `auto` choice for this device and the
               checkpointing it chooses from memory
-Prints real (non-pad) tokens per second of training steps, token efficiency, peak GPU memory, an MFU estimate,
-the eval loss (mean ± std over seeds), and the ratios against TRL's defaults, with the device's name.
+Prints real (non-pad) tokens per second of training steps, token efficiency, the CPU seconds of the training loop
+(on a shared CPU the steadier measure: other load stretches wall time, not a one-thread process's CPU time), peak
+GPU memory, an MFU estimate, the eval loss (mean ± std over seeds), and the ratios against TRL's defaults, with the
+device's name.
 
     python bench/gpu.py                                    # on a GPU machine: the table for the README
+    python bench/gpu.py --configfile bench/smollm2.yaml --max-steps 6     # SmolLM2 on CPU (docs/real-model.md)
     python bench/gpu.py --configfile config/config.yaml --runs sft-qwen2-tiny dpo-qwen2-tiny   # a CPU smoke run
 
 MFU counts the model FLOPs of the real tokens only (padding is waste, not work): a LoRA step with a frozen base
@@ -31,7 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from efficiency import EPOCH, base_model, length_settings, load_config, loss_change, prepared, spread  # noqa: E402
+from efficiency import (  # noqa: E402
+    EPOCH,
+    base_model,
+    cpu_clock,
+    length_settings,
+    load_config,
+    loss_change,
+    prepared,
+    spread,
+)
 
 ARMS = ("trl", "trl-packed", "snaketrl")
 # Dense bf16 peaks (no sparsity) from the vendors' data sheets, matched on torch.cuda.get_device_name.
@@ -72,6 +86,7 @@ def plain_trl(job: dict) -> dict:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from snaketrl.data.chat import as_chat
     from snaketrl.io import read_jsonl
     from snaketrl.train.tokens import TokenCounter
     from snaketrl.trainers import REGISTRY, load
@@ -82,16 +97,19 @@ def plain_trl(job: dict) -> dict:
     args = {key: value for key, value in run["args"].items() if key not in ("activation_checkpointing",)}
     config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"], max_length=job["max_length"],
                                bf16=bf16, **({"packing": True} if job["arm"] == "trl-packed" else {}),
-                               **{**args, **EPOCH})
+                               **{**args, **job["schedule"]})
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
-    counter = TokenCounter(tokenizer.pad_token_id)
+    counter, clock = TokenCounter(tokenizer.pad_token_id), cpu_clock()
+    rows = {split: read_jsonl(job[split]) for split in ("train", "eval")}  # the workflow's rows, as chats where it
+    rows = {split: as_chat(r) if run.get("chat") else r for split, r in rows.items()}  # gives them so
     trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
-                                 train_dataset=Dataset.from_list(read_jsonl(job["train"])),
-                                 eval_dataset=Dataset.from_list(read_jsonl(job["eval"])),
-                                 peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=[counter])
+                                 train_dataset=Dataset.from_list(rows["train"]),
+                                 eval_dataset=Dataset.from_list(rows["eval"]),
+                                 peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]),
+                                 callbacks=[counter, clock])
     metrics = dict(trainer.train().metrics)
-    metrics.update(counter.summary())
+    metrics.update(counter.summary(), cpu_s=clock.seconds)
     metrics.update(trainer.evaluate())
     metrics.update(activation_checkpointing=config.activation_checkpointing,
                    batching="packed" if job["arm"] == "trl-packed" else "padded")
@@ -105,9 +123,12 @@ def snaketrl_choice(job: dict) -> dict:
     work = Path(job["work"])
     histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
               job["run"]["name"])
-    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **EPOCH}}
-    return train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
-                     lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt")
+    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **job["schedule"]}}
+    clock = cpu_clock()
+    metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
+                        lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
+                        threads=job.get("threads"), callbacks=[clock])
+    return {**metrics, "cpu_s": clock.seconds}
 
 
 def worker(job_file: str) -> None:
@@ -116,17 +137,22 @@ def worker(job_file: str) -> None:
 
     job = json.loads(Path(job_file).read_text())
     cuda = torch.cuda.is_available()
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     metrics = (snaketrl_choice if job["arm"] == "snaketrl" else plain_trl)(job)
     config = json.loads((Path(job["model_dir"]) / "config.json").read_text())
     seq_len = metrics["real_tokens"] / max(1, job["examples"] * (2 if job["run"]["trainer"] == "dpo" else 1))
     flops = train_flops_per_token(config, seq_len, bool(metrics.get("activation_checkpointing")))
-    device = torch.cuda.get_device_name() if cuda else "cpu"
+    from snaketrl.manifest import cpu_model
+
+    device = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
     peak = peak_flops(device) if cuda else None
     print("RESULT " + json.dumps({
         "arm": job["arm"], "batching": metrics.get("batching"), "device": device,
         "checkpointing": bool(metrics.get("activation_checkpointing")),
         "efficiency": metrics["token_efficiency"], "tokens_per_s": metrics["real_tokens_per_second"],
-        "epoch_s": metrics["train_runtime"], "eval_loss": metrics["eval_loss"],
+        "epoch_s": metrics["train_runtime"], "cpu_s": metrics["cpu_s"], "eval_loss": metrics["eval_loss"],
+        "train_loss": metrics.get("train_loss"), "real_tokens": metrics["real_tokens"],
         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
         "mfu": metrics["real_tokens_per_second"] * flops / peak if peak else None}), flush=True)
 
@@ -158,20 +184,24 @@ def table(name: str, results: dict[str, list[dict]]) -> list[str]:
     for arm, rs in results.items():
         if any("failed" in r for r in rs):
             rows.append(f"| {name} | {arm} | {rs[0].get('failed', next(r['failed'] for r in rs if 'failed' in r))} "
-                        f"| | | | | | |")
+                        f"| | | | | | | | |")
             continue
         r = rs[0]
         rows.append(f"| {name} | {arm} ({r['batching']}, checkpointing {'on' if r['checkpointing'] else 'off'}) | "
                     f"{fmt(best(arm, 'efficiency'), '.3f')} | {fmt(best(arm, 'tokens_per_s'), ',.0f')} | "
-                    f"{fmt(best(arm, 'epoch_s', min), '.1f')} | {fmt(best(arm, 'peak_gib'), '.1f')} | "
-                    f"{fmt(best(arm, 'mfu'), '.1%')} | {spread([x['eval_loss'] for x in rs])} |")
+                    f"{fmt(best(arm, 'epoch_s', min), '.1f')} | {fmt(best(arm, 'cpu_s', min), '.1f')} | "
+                    f"{fmt(best(arm, 'peak_gib'), '.1f')} | {fmt(best(arm, 'mfu'), '.1%')} | "
+                    f"{spread([x['train_loss'] for x in rs if x.get('train_loss') is not None] or [float('nan')])} | "
+                    f"{spread([x['eval_loss'] for x in rs])} |")
     base = results.get("trl")
     if base and not any("failed" in r for r in base):
         for arm, rs in results.items():
             if arm == "trl" or any("failed" in r for r in rs):
                 continue
+            # Per real token: the arms' rows are the same, their real tokens too unless packing cuts some off.
+            cpu = (best("trl", "cpu_s", min) / best("trl", "real_tokens")) / (best(arm, "cpu_s", min) / best(arm, "real_tokens"))
             rows.append(f"| {name} | **{arm} / trl** | | **{best(arm, 'tokens_per_s') / best('trl', 'tokens_per_s'):.2f}×** "
-                        f"| {best(arm, 'epoch_s', min) / best('trl', 'epoch_s', min):.2f}× | | | "
+                        f"| {best(arm, 'epoch_s', min) / best('trl', 'epoch_s', min):.2f}× | **{cpu:.2f}×** | | | | "
                         f"{loss_change([x['eval_loss'] for x in rs], [x['eval_loss'] for x in base])} |")
     return rows
 
@@ -182,6 +212,8 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", help="run names (default: every SFT and DPO run)")
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="*", type=int, default=[42])
+    ap.add_argument("--max-steps", type=int, help="train this many steps instead of one epoch")
+    ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-gpu"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args()
@@ -192,30 +224,36 @@ def main() -> None:
     import os
 
     from snaketrl.data.lengths import histogram
-    from snaketrl.io import read_jsonl
+    from snaketrl.io import read_jsonl, write_jsonl
     from snaketrl.trainers import REGISTRY
 
     configfile = opts.configfile.resolve()
     os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
     config, runs = load_config(configfile)
     names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ("sft", "dpo")]
-    out = ["| run | arm | token efficiency | real tokens/s | epoch (s) | peak GPU memory (GiB) | MFU | eval loss |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| run | arm | token efficiency | real tokens/s | epoch (s) | CPU (s) | peak GPU memory (GiB) | MFU | "
+           "train loss | eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     device = None
+    schedule = {**EPOCH, "max_steps": opts.max_steps} if opts.max_steps else EPOCH
     for name in names:
         run = runs[name]
         model_dir = base_model(config, run["model"], opts.work)
         train, evals = prepared(config, run, opts.work)
+        if run.get("eval_rows"):  # every arm evaluates on the rows train_run would
+            evals = evals.with_name(f"eval-{run['eval_rows']}.jsonl")
+            write_jsonl(read_jsonl(evals.with_name("eval.jsonl"))[:run["eval_rows"]], evals)
         settings = length_settings(config, run, "auto")
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
             stats = histogram(model_dir, train, settings, opts.work / f"{name}-lengths.json",
-                              opts.work / f"{name}-lengths.png", name)  # every arm trains at its max_length
+                              opts.work / f"{name}-lengths.png", name, model=run["model"],
+                              dataset=run["dataset"])  # every arm trains at its max_length
         results = {}
         for arm in opts.arms:
             if arm == "trl-packed" and "packed" not in REGISTRY[run["trainer"]].batching:
                 continue
             for seed in opts.seeds:
                 job = {"run": run, "arm": arm, "seed": seed, "settings": settings, "model_dir": str(model_dir),
+                       "schedule": schedule, "threads": opts.threads,
                        "train": str(train), "eval": str(evals), "max_length": stats["max_length"],
                        "examples": len(read_jsonl(train)), "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
                 result = measure(job)

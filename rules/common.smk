@@ -1,7 +1,17 @@
 import re
 
+from snakemake.exceptions import WorkflowError
+
 from snaketrl import paths
-from snaketrl.config import batching_of, canonical, corpus_files, local_files
+from snaketrl.config import (
+    batching_of,
+    canonical,
+    chat_prompts,
+    corpus_files,
+    gguf_file,
+    local_files,
+    model_source_entry,
+)
 from snaketrl.config.evaluation import eval_job_inputs
 from snaketrl.evaluate.harness import project_task_files
 from snaketrl.train import distributed
@@ -24,7 +34,8 @@ def _one_of(names):
 
 
 TINY_MODELS = [m for m, e in config["models"].items() if "tiny" in e]
-HUB_MODELS = [m for m, e in config["models"].items() if "hub" in e]
+# Models the download_model job brings: a Hub snapshot, or a GGUF file converted.
+FETCHED_MODELS = [m for m in config["models"] if m not in TINY_MODELS]
 
 
 wildcard_constraints:
@@ -74,9 +85,10 @@ def tiny_corpus(wildcards):
 
 
 def dataset_fetch(wildcards):
-    """What decides the fetched rows (not the column mapping or format: preprocessing applies those)."""
+    """What decides the fetched rows (not the column mapping or format: preprocessing applies those; nor
+    chat: the jobs that know the model apply it)."""
     entry = config["datasets"][wildcards.dataset]
-    keep = {k: v for k, v in entry.items() if k not in ("columns", "format")}
+    keep = {k: v for k, v in entry.items() if k not in ("columns", "format", "chat")}
     return canonical({**keep, "seed": config["seed"]})
 
 
@@ -90,6 +102,36 @@ def dataset_mapping(wildcards):
             "bad_rows": entry.get("bad_rows", "error"),
         }
     )
+
+
+def model_source(wildcards):
+    """The local GGUF file a model is converted from (its edit reconverts), if any."""
+    return gguf_file(config["models"][wildcards.model], shipped)
+
+
+def chat_of(wildcards):
+    """Whether the dataset's plain prompts reach the model as chat turns (absent where not: the params of
+    configs without chat models stay as they were)."""
+    chat = chat_prompts(
+        config["models"][wildcards.model], config["datasets"][wildcards.dataset]
+    )
+    return {"chat": True} if chat else {}
+
+
+def model_threads(model):
+    """CPU threads of a model's train, evaluate and merge jobs: models.<m>.threads, else 1 for a tiny model (its
+    numbers are measured on one thread: threads change the float sums) and all of --cores for others. Snakemake
+    lowers it to --cores; a profile's set-threads overrides it."""
+    entry = config["models"][model]
+    if entry.get("threads"):
+        return entry["threads"]
+    if "tiny" in entry:
+        return 1
+    # A cluster run without --cores: the profile's set-threads decides.
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def tiny_entry(wildcards):
@@ -142,8 +184,13 @@ def length_settings(wildcards):
             "attn_implementation": config["models"][wildcards.model].get(
                 "attn_implementation"
             ),
+            **chat_of(wildcards),
         }
     )
+
+
+def run_threads(wildcards):
+    return model_threads(run_of(wildcards)["model"])
 
 
 def merge_settings(wildcards):

@@ -57,7 +57,8 @@ rule length_histogram:
         "../scripts/length_histogram.py"
 
 
-# PPO consumes token ids: prompts cut from the left to the histogram's length, per model tokenizer.
+# PPO consumes token ids: prompts cut from the left to the histogram's length, per model tokenizer (as chat turns
+# where the histogram, which records it, measured them so).
 rule tokenize_prompts:
     input:
         model=paths.model("{model}"),

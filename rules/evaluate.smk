@@ -14,8 +14,8 @@ rule evaluate:
         evaluated=_one_of(EVAL_TARGETS),
     conda:
         "../envs/train.yaml"
-    # One thread: tiny models gain nothing from two, and lose much when the cores are shared.
-    threads: 1
+    # A tiny model's job takes one thread (it gains nothing from two, and loses much when the cores are shared).
+    threads: lambda wc: model_threads(EVAL_TARGETS[wc.evaluated]["model"])
     resources:
         mem_mb=per_attempt(8000),
         runtime=per_attempt(60),

@@ -41,18 +41,20 @@ rule pretrain:
         "../scripts/pretrain.py"
 
 
-# Cluster nodes often have no internet: downloads run on the submitting machine.
+# Cluster nodes often have no internet: downloads (and GGUF conversions) run on the submitting machine.
 rule download_model:
+    input:
+        unpack(model_source),
     output:
         directory(paths.model("{model}")),
     log:
         paths.log("download_model", "{model}"),
     wildcard_constraints:
-        model=_alternatives(HUB_MODELS),
+        model=_alternatives(FETCHED_MODELS),
     localrule: True
     conda:
-        "../envs/data.yaml"
+        "../envs/train.yaml"  # a GGUF file is dequantized with torch
     params:
-        entry=lambda wc: canonical(config["models"][wc.model]),
+        entry=lambda wc: canonical(model_source_entry(config["models"][wc.model])),
     script:
         "../scripts/download_model.py"

@@ -13,7 +13,7 @@ rule train:
         paths.benchmark("train", "{run}")
     conda:
         "../envs/train.yaml"
-    threads: 1
+    threads: run_threads
     resources:
         mem_mb=per_attempt(8000),
         runtime=per_attempt(120),
@@ -37,7 +37,7 @@ rule merge:
         paths.log("merge", "{run}"),
     conda:
         "../envs/train.yaml"
-    threads: 1
+    threads: run_threads
     resources:
         mem_mb=per_attempt(8000),
     params:

@@ -52,6 +52,7 @@ def prompt_overlap(completions, prompts, **_) -> list[float]:
 
 
 FINAL_NUMBER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def final_number(text: str) -> str | None:
@@ -59,12 +60,22 @@ def final_number(text: str) -> str | None:
     return match.group(1).replace(",", "") if match else None
 
 
-def accuracy(completions, answer, **_) -> list[float]:
-    """gsm8k-style exact match: the number after `####` in the completion equals the answer's."""
+def last_number(text: str) -> str | None:
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def accuracy(completions, answer, match: str = "strict", **_) -> list[float]:
+    """gsm8k-style exact match of the answer's final number (after `####`) against the completion's: with
+    `match: strict` the number after its `####`, with `flexible` its last number (lm-eval gsm8k's two filters; a
+    chat model answers in prose, without the `####` it was never shown)."""
+    if match not in ("strict", "flexible"):
+        raise ConfigError(f"config: reward_funcs: accuracy: match must be strict or flexible, got {match!r}")
+    extract = final_number if match == "strict" else last_number
     out = []
     for completion, ref in zip(completions, answer):
         expected = final_number(ref) if "####" in ref else ref.strip()
-        got = final_number(_text(completion))
+        got = extract(_text(completion))
         out.append(1.0 if got is not None and got == expected else 0.0)
     return out
 

@@ -41,13 +41,16 @@ class Trainer:
     # takes right-padded rows, each scored on its own (a causal LM's log-probs or loss, a classifier's last
     # token).
     split_rows: bool = False
+    # Eval rows it evaluates on when the run sets no eval_rows (None: all): a trainer that generates to evaluate
+    # costs a generation batch per few prompts, so its eval during and after training stays bounded.
+    eval_rows: int | None = None
 
     @property
     def model_class(self) -> str:
         return MODEL_CLASSES[self.task_type]
 
 
-ONLINE = {"layout": "prompt", "length_field": None, "reward_funcs": True, "generation_check": True,
+ONLINE = {"layout": "prompt", "length_field": None, "reward_funcs": True, "generation_check": True, "eval_rows": 64,
           "overlay": "reward", "headline": ("reward", "reward_std", "completions/mean_length"),
           "batching_note": "TRL's RepeatSampler orders the prompts (each repeated num_generations times), so "
                            "train_sampling_strategy does not apply; prompts are padded per batch as TRL does"}

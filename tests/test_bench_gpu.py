@@ -38,7 +38,7 @@ def test_the_plain_trl_arm_trains_with_trls_defaults(arm, tmp_path, config, tiny
     run = inputs["run"]
     run["args"] = {k: v for k, v in run["args"].items() if k not in ("max_steps", "eval_strategy", "save_steps")}
     job = {"run": run, "arm": arm, "seed": 1, "model_dir": str(tiny_model_dir), "train": str(inputs["train_file"]),
-           "eval": str(inputs["eval_file"]), "max_length": 64, "work": str(tmp_path / arm)}
+           "eval": str(inputs["eval_file"]), "max_length": 64, "work": str(tmp_path / arm), "schedule": gpu.EPOCH}
     metrics = gpu.plain_trl(job)
     assert metrics["activation_checkpointing"] is True  # TRL's default, which snaketrl decides from memory
     assert metrics["real_tokens"] > 0 and metrics["real_tokens_per_second"] > 0
@@ -46,5 +46,5 @@ def test_the_plain_trl_arm_trains_with_trls_defaults(arm, tmp_path, config, tiny
         assert metrics["token_efficiency"] == pytest.approx(1.0)
     else:
         assert 0.3 < metrics["token_efficiency"] < 1.0  # random batches of 4 padded to their longest
-    assert metrics["eval_loss"] > 0
+    assert metrics["eval_loss"] > 0 and metrics["cpu_s"] > 0
     assert not list((tmp_path / arm / "out").glob("checkpoint-*"))  # no checkpoints: their writes are no batching's

@@ -59,6 +59,18 @@ def test_slurm_profile_keeps_cluster_settings_out_of_rules():
     assert "slurm_partition" not in rules and "slurm_account" not in rules
 
 
+def test_slurm_profile_asks_for_the_cpus_its_jobs_use():
+    """The SLURM plugin asks for cpus_per_task where a job has it, else cpus_per_gpu per GPU, else the job's
+    threads: a default cpus_per_task would give a job of 8 threads fewer CPUs."""
+    profile = yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())
+    assert "cpus_per_task" not in profile["default-resources"]
+    threads = profile["set-threads"]
+    assert {"train", "evaluate", "merge"} <= set(threads)
+    for rule, resources in profile["set-resources"].items():
+        assert "cpus_per_task" not in resources, rule
+    assert profile["set-resources"]["train"]["cpus_per_gpu"] == threads["train"]
+
+
 def test_ci_profile_is_derived_from_the_slurm_profile(tmp_path):
     subprocess.run([sys.executable, str(ROOT / ".ci/derive_profile.py"), str(ROOT / "profiles/slurm/config.yaml"),
                     str(tmp_path / "config.yaml")], check=True, capture_output=True)

@@ -51,7 +51,7 @@ def test_wrong_type_names_the_key(config):
 
 def test_model_needs_hub_or_tiny(config):
     config["models"]["broken"] = {"lora": {"target_modules": ["q_proj"]}}
-    with pytest.raises(ConfigError, match=r"^config: models.broken: needs exactly one of 'hub' or 'tiny'$"):
+    with pytest.raises(ConfigError, match=r"^config: models.broken: needs exactly one of 'hub', 'tiny' or 'gguf'$"):
         validate(config, SCHEMA)
 
 

@@ -102,3 +102,28 @@ def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_
     assert stock.returncode == fast.returncode == 1
     assert stock.stdout.strip().splitlines()[-1].endswith(missing)
     assert fast.stdout.strip().splitlines()[-1].endswith(missing)
+
+
+def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
+    """config/smollm2.yaml offline: its 44 jobs planned (the wheel is only fetched when download_model runs); its
+    train, evaluate and merge jobs take all of --cores (2), models.<name>.threads lowers that, and the default's
+    tiny models keep one thread."""
+    wd = copy_project(tmp_path / "wf")
+    counts = job_counts(wd, "--configfile", "config/smollm2.yaml")
+    assert counts == {"download_model": 1, "get_dataset": 4, "preprocess": 5, "length_histogram": 5,
+                      "tokenize_prompts": 1, "train": 8, "merge": 1, "plot_run": 8, "evaluate": 8,
+                      "collect_evaluation": 1, "report": 1, "all": 1}
+
+    def threads(*args):
+        proc = snakemake(wd, "-n", "--forceall", *args, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        jobs = re.findall(r"(?ms)^rule (\w+):\n(.*?)(?=^\[|\Z)", proc.stdout)
+        return sorted({(rule, int(m[1]) if (m := re.search(r"threads: (\d+)", body)) else 1) for rule, body in jobs
+                       if rule in ("train", "evaluate", "merge", "pretrain")})
+
+    assert threads("--configfile", "config/smollm2.yaml") == [("evaluate", 2), ("merge", 2), ("train", 2)]
+    cfg = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
+    cfg["models"]["smollm2"]["threads"] = 1
+    (wd / "one.yaml").write_text(yaml.safe_dump(cfg))
+    assert threads("--configfile", "one.yaml") == [("evaluate", 1), ("merge", 1), ("train", 1)]
+    assert threads() == [("evaluate", 1), ("merge", 1), ("pretrain", 1), ("train", 1)]

@@ -4,6 +4,7 @@ import pytest
 from conftest import ROOT
 from snaketrl.data.lengths import choose_max_length, length_stats, padding_share, sequence_lengths
 from snaketrl.data.preprocess import preprocess
+from snaketrl.errors import DataError
 from snaketrl.io import read_jsonl
 
 
@@ -22,6 +23,24 @@ def test_stats_share_truncated_and_padding():
     assert stats["share_truncated"] == pytest.approx(0.01)
     assert stats["percentiles"]["p50"] == 10 and stats["percentiles"]["p100"] == 300
     assert 0 < stats["padding_share"] < 1
+
+
+def test_ceiling_lowers_max_length_and_says_what_it_truncates():
+    lengths = np.array([10] * 60 + [100] * 30 + [300] * 10)
+    free = length_stats(lengths, keep_share=0.99, round_to=32, cap=512, batch_size=4, seed=0)
+    capped = length_stats(lengths, keep_share=0.99, round_to=32, cap=512, batch_size=4, seed=0, ceiling=64)
+    assert free["max_length"] == 320 and free["share_truncated"] == 0.0
+    assert (capped["max_length"], capped["keep_share_max_length"], capped["max_length_ceiling"]) == (64, 320, 64)
+    assert capped["share_truncated"] == pytest.approx(0.4)  # the 100- and 300-token examples
+    loose = length_stats(lengths, keep_share=0.5, round_to=32, cap=512, batch_size=4, seed=0, ceiling=64)
+    assert loose["max_length"] == 32 and loose["keep_share_max_length"] == 32  # under the ceiling: keep_share's
+    # A trainer that drops what is too long counts what the ceiling drops.
+    reward = length_stats(lengths, keep_share=0.99, round_to=32, cap=512, batch_size=4, seed=0, ceiling=64,
+                          trainer="reward")
+    assert reward["dropped"] == 40 and reward["share_truncated"] == 0.0
+    with pytest.raises(DataError, match=r"drops every example at max_length=8 \(length.max_length: 8\)"):
+        length_stats(lengths, keep_share=0.99, round_to=32, cap=512, batch_size=4, seed=0, ceiling=8,
+                     trainer="reward")
 
 
 def test_padding_share_is_zero_for_equal_lengths():

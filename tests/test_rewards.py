@@ -31,3 +31,13 @@ def test_bad_names_are_clear():
         resolve(["uniq"])
     with pytest.raises(ConfigError, match=r"cannot import 'nosuchmod:f'"):
         resolve(["nosuchmod:f"])
+
+
+def test_flexible_accuracy_takes_the_last_number_of_prose():
+    answers = ["x #### 22", "#### 1234", "#### 5"]
+    completions = ["Jamie has 17 + 5 = 22 books.", "That makes 1,234.", "5 + 5 = 10"]
+    assert accuracy(completions, answer=answers, match="flexible") == [1.0, 1.0, 0.0]
+    assert accuracy(completions, answer=answers) == [0.0, 0.0, 0.0]  # strict: no ####
+    assert accuracy([[{"role": "assistant", "content": "It is 22."}]], answer=["#### 22"], match="flexible") == [1.0]
+    with pytest.raises(ConfigError, match="accuracy: match must be strict or flexible, got 'loose'"):
+        accuracy(["1"], answer=["1"], match="loose")

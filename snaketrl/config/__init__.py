@@ -14,6 +14,7 @@ from pathlib import Path
 from snaketrl import paths
 from snaketrl.config.sweeps import with_sweeps
 from snaketrl.errors import ConfigError
+from snaketrl.models.gguf import check_source
 from snaketrl.rewards import BUILTINS
 from snaketrl.train import distributed
 from snaketrl.train.args import check_switches
@@ -38,7 +39,8 @@ def validate(config: dict, schema_path: str) -> None:
             raise
         path = ".".join(str(p) for p in best.absolute_path) or "(top level)"
         if best.validator == "oneOf" and all("required" in alt for alt in best.validator_value):
-            expected = " or ".join(f"'{alt['required'][0]}'" for alt in best.validator_value)
+            names = [f"'{alt['required'][0]}'" for alt in best.validator_value]
+            expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
             message = f"needs exactly one of {expected}"
         else:
             message = best.message
@@ -70,7 +72,7 @@ def expand_runs(config: dict) -> dict[str, dict]:
     return runs
 
 
-INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed")
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "eval_rows")
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
 # still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
@@ -140,6 +142,8 @@ def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str
         _check_run_batching(config, run, where)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
     for name, model in config["models"].items():
+        if "gguf" in model:
+            check_source(name, model["gguf"])
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
@@ -219,6 +223,9 @@ def _check_local_files(config: dict, runs: dict, shipped=None) -> None:
     for name in sorted(used_models):
         if "tiny" in config["models"][name]:
             corpus_files(config, name, shipped)
+        path = config["models"][name].get("gguf", {}).get("path")
+        if path and not Path(paths.from_config(path, shipped)).is_file():
+            raise ConfigError(f"config: models.{name}.gguf.path: {path} does not exist{_where_looked(path, shipped)}")
 
 
 def _where_looked(path: str, shipped) -> str:
@@ -266,6 +273,39 @@ def _written_files(entry: dict) -> dict[str, str]:
     return dict(files) if isinstance(files, dict) else {"train": files}
 
 
+def model_entry(entry: dict) -> dict:
+    """A model's entry without its `threads`: those are the job's (Snakemake's threads, lowered to --cores), so a
+    machine with other cores reruns nothing; the manifest records them (numerics.threads)."""
+    return {key: value for key, value in entry.items() if key != "threads"}
+
+
+def model_source_entry(entry: dict) -> dict:
+    """What decides a downloaded model's files: its source (hub, revision, trust_remote_code; or gguf), not how
+    runs train it (lora, quantization, chat, threads)."""
+    return {key: entry[key] for key in ("hub", "revision", "trust_remote_code", "gguf") if key in entry}
+
+
+def chat_model(entry: dict) -> bool:
+    """A chat model: its tokenizer ships a chat template that its prompts are meant to be in. Decided from the
+    config (models.<name>.chat; default: a hub or gguf model is one, a tiny model is not), so that each job's
+    params carry it; the jobs check that such a model has a template."""
+    chat = entry.get("chat")
+    return "tiny" not in entry if chat is None else chat
+
+
+def chat_prompts(model_entry: dict, dataset_entry: dict) -> bool:
+    """Whether a dataset's plain-text prompts reach a model as chat turns (snaketrl.data.chat.as_chat):
+    datasets.<name>.chat, `auto` (the default) meaning for chat models."""
+    wanted = dataset_entry.get("chat", "auto")
+    return chat_model(model_entry) if wanted == "auto" else wanted
+
+
+def gguf_file(entry: dict, shipped: Callable[[str], str] | None = None) -> dict[str, str]:
+    """{"gguf": file} of a model converted from a local GGUF file (the download job's input), else {}."""
+    path = entry.get("gguf", {}).get("path")
+    return {"gguf": paths.from_config(path, shipped)} if path else {}
+
+
 def canonical(value):
     """Dicts with their keys sorted, recursively. Snakemake compares a job's params by repr, so without
     this the same config with its keys in another order would rerun jobs."""
@@ -286,11 +326,15 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
     return canonical({
         "name": name, "trainer": run["trainer"], "model": run["model"], "dataset": run["dataset"],
         "args": trl_args(config, run), "lora": lora,
-        "model_entry": config["models"][run["model"]], "dataset_entry": config["datasets"][run["dataset"]],
+        "model_entry": model_entry(config["models"][run["model"]]),
+        "dataset_entry": config["datasets"][run["dataset"]],
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
         "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
         "distributed": run.get("distributed", distributed.DEFAULT),
         **({"sweep": run["sweep"], "swept": run["swept"]} if run.get("sweep") else {}),
+        # Absent where false or unset, so the runs of configs without them keep their params (and results).
+        **({"chat": True} if chat_prompts(config["models"][run["model"]], config["datasets"][run["dataset"]]) else {}),
+        **({"eval_rows": run["eval_rows"]} if run.get("eval_rows") else {}),
     })
 
 

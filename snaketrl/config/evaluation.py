@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from snaketrl import paths
+from snaketrl.config import chat_model, chat_prompts
 from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
@@ -155,6 +156,8 @@ def _check_kind(ev: dict, kind: str, datasets: dict, where: str, shipped=None) -
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ConfigError(f"{where}.{kind}.size: expected a positive integer or null, got {size!r}")
     entry["trainer"] = data_trainer(kind)
+    if "chat" in datasets[name]:  # only where set: eval_targets decides per model (snaketrl.config.chat_prompts)
+        entry["chat"] = datasets[name]["chat"]
     present = _first_row_columns(datasets[name], shipped)
     if present is None:  # a Hub dataset or a non-JSONL file: the eval job checks its rows
         return
@@ -208,11 +211,17 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
     targets: dict[str, dict] = {}
     for name in ev["runs"]:
         run = runs[name]
+        # What reaches the model as chat turns: the datasets' prompts (and lm-eval's, for a chat model). Absent
+        # where none do, so the eval jobs of configs without chat models keep their params.
+        entry = run.get("model_entry")  # (resolved runs have it)
+        chat = [kind for kind in KINDS if entry and ev[kind] and chat_prompts(entry, ev[kind])]
+        chat += ["lm_eval"] if entry and ev["lm_eval"]["tasks"] and chat_model(entry) else []
+        extra = {"chat": chat} if chat else {}
         targets[name] = {"kind": "run", "run": name, "model": run["model"], "trainer": run["trainer"],
-                         "seed": run["seed"], "reference": BASE_PREFIX + run["model"]}
+                         "seed": run["seed"], "reference": BASE_PREFIX + run["model"], **extra}
         targets.setdefault(BASE_PREFIX + run["model"], {
             "kind": "base", "run": None, "model": run["model"], "trainer": "base", "seed": run["seed"],
-            "reference": None})
+            "reference": None, **extra})
     return dict(sorted(targets.items()))
 
 

@@ -254,13 +254,15 @@ def strategy_efficiencies(lengths: np.ndarray, real: np.ndarray, max_length: int
 
 def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: int | None, batch_size: int,
                  seed: int, trainer: str | None = None, batching: str = "auto", attention: str | None = None,
-                 prompts: np.ndarray | None = None) -> dict:
+                 prompts: np.ndarray | None = None, ceiling: int | None = None) -> dict:
     """Percentiles, max_length and batching of `lengths`: one per example, or one column per row the trainer
     pads together (a preference pair's prompt+chosen and prompt+rejected); `prompts`: each prompt's tokens.
-    Without `trainer`, no batching."""
+    `cap`: the model's positions; `ceiling`: length.max_length, a ceiling set for compute. Without `trainer`,
+    no batching."""
     per_row = lengths.reshape(len(lengths), -1)
     longest = per_row.max(axis=1)
-    max_length = choose_max_length(longest, keep_share, round_to, cap)
+    chosen = choose_max_length(longest, keep_share, round_to, cap)
+    max_length = min(chosen, ceiling) if ceiling else chosen
     drops = REGISTRY[trainer].drops if trainer else ""
     # What a trainer drops it never sees; everything else is truncated to max_length, row by row.
     kept = np.ones(len(longest), dtype=bool)
@@ -269,8 +271,9 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
     elif drops == "long_prompt" and prompts is not None:
         kept = prompts < max_length
     if not kept.any():
-        raise DataError(f"trainer '{trainer}' drops every example at max_length={max_length} (the model has {cap} "
-                        f"positions): nothing would be left to train on")
+        limit = f"length.max_length: {ceiling}" if max_length == ceiling else f"the model has {cap} positions"
+        raise DataError(f"trainer '{trainer}' drops every example at max_length={max_length} ({limit}): nothing "
+                        f"would be left to train on")
     truncated = np.minimum(per_row[kept], max_length)
     split = truncated if trainer and REGISTRY[trainer].split_rows else None
     efficiency = strategy_efficiencies(longest[kept], truncated.sum(axis=1), max_length, batch_size, seed,
@@ -282,6 +285,9 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
         "keep_share": keep_share,
         "round_to": round_to,
         "model_max_positions": cap,
+        # What keep_share chose, and the ceiling (length.max_length) that may have lowered it.
+        "keep_share_max_length": chosen,
+        "max_length_ceiling": ceiling,
         "max_length": max_length,
         "share_truncated": 0.0 if drops == "long" else float((longest > max_length).mean()),
         "dropped": int((~kept).sum()),
@@ -309,6 +315,8 @@ def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
         ax.axvline(value, color="gray", linestyle=style, linewidth=1)
         ax.text(value, ax.get_ylim()[1] * 0.95, name, rotation=90, va="top", ha="right", fontsize=7)
     cut = (f"{stats['dropped']} dropped" if stats["dropped"] else f"{stats['share_truncated']:.1%} truncated")
+    if stats.get("max_length_ceiling") and stats["max_length"] < stats["keep_share_max_length"]:
+        cut += f"; length.max_length ceiling, keep_share chose {stats['keep_share_max_length']}"
     ax.axvline(stats["max_length"], color="#c44e52", linewidth=2, label=f"max_length={stats['max_length']} ({cut})")
     if "batching" in stats:
         b = stats["batching"]
@@ -323,17 +331,21 @@ def plot_histogram(lengths: np.ndarray, stats: dict, path, title: str) -> None:
     plt.close(fig)
 
 
-def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: str) -> dict:
-    """The length stage of one (trainer, dataset, model): lengths as the trainer will tokenize them, the
-    max_length they imply and the batching to train with (`settings`: trainer, layout, keep_share, round_to,
-    batch_size, seed, batching, attn_implementation), plot and JSON."""
+def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: str, model: str = "?",
+              dataset: str = "?") -> dict:
+    """The length stage of one (trainer, dataset, model): lengths as the trainer will tokenize them (as chat
+    turns where `settings` says `chat`), the max_length they imply and the batching to train with (`settings`:
+    trainer, layout, keep_share, round_to, max_length (a ceiling), batch_size, seed, batching,
+    attn_implementation), plot and JSON. The JSON records `chat` for PPO's prompt tokenization."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from snaketrl.data.chat import chat_rows
     from snaketrl.io import atomic, read_jsonl, write_json
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cap = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    rows = read_jsonl(train_file)
+    chat = settings.get("chat", False)
+    rows = chat_rows(read_jsonl(train_file), chat, tokenizer, model=model, dataset=dataset, where=title)
     if settings["layout"] == "preference":
         lengths = np.stack(pair_lengths(rows, tokenizer), axis=1)
     else:
@@ -342,7 +354,9 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
     stats = length_stats(lengths, keep_share=settings["keep_share"], round_to=settings["round_to"], cap=cap,
                          batch_size=settings["batch_size"], seed=settings["seed"], trainer=settings["trainer"],
                          batching=settings["batching"], attention=settings["attn_implementation"],
-                         prompts=prompt_lengths(rows, tokenizer) if drops_prompts else None)
+                         prompts=prompt_lengths(rows, tokenizer) if drops_prompts else None,
+                         ceiling=settings.get("max_length"))
+    stats["chat"] = chat
     with atomic(png_out) as tmp:
         plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)
@@ -351,14 +365,19 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
 
 
 def tokenize_prompt_files(model_dir, lengths_file, splits: dict) -> None:
-    """PPO's datasets: each split's prompts (`splits`: name -> (in file, out file)) as token ids."""
+    """PPO's datasets: each split's prompts (`splits`: name -> (in file, out file)) as token ids, as chat turns
+    where the length histogram (`lengths_file`) measured them so (its template checked there)."""
     from transformers import AutoTokenizer
 
     from snaketrl.io import read_json, read_jsonl, write_jsonl
 
+    from snaketrl.data.chat import as_chat
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    max_length = read_json(lengths_file)["max_length"]
+    lengths = read_json(lengths_file)
+    max_length = lengths["max_length"]
     for split, (src, dst) in splits.items():
-        rows = tokenize_prompts(read_jsonl(src), tokenizer, max_length)
+        rows = read_jsonl(src)
+        rows = tokenize_prompts(as_chat(rows) if lengths.get("chat") else rows, tokenizer, max_length)
         write_jsonl(rows, dst)
         print(f"{split}: {len(rows)} prompts, at most {max_length} tokens")

@@ -155,8 +155,10 @@ def lm_eval_task_manager(tasks, include_path=LM_EVAL_TASKS_DIR):
 
 
 def lm_eval_run(model, tokenizer, tasks, *, limit=None, batch_size: int = 8, num_fewshot=None, seed: int = 0,
-                task_manager=None, max_length: int | None = None, data_files: dict[str, str] | None = None) -> dict:
-    """lm-eval's simple_evaluate on a loaded model (a peft model is passed with its adapter active).
+                task_manager=None, max_length: int | None = None, data_files: dict[str, str] | None = None,
+                chat: bool = False) -> dict:
+    """lm-eval's simple_evaluate on a loaded model (a peft model is passed with its adapter active); `chat`: a chat
+    model, whose requests lm-eval renders in its chat template.
     Returns {task: {metric,filter: value}} (stderr entries dropped). Project tasks read their data files from
     `data_files` (a file as the task's YAML names it -> where it is: see project_task_files); without it,
     relative to the working directory (the clone's root, as in the tests)."""
@@ -167,6 +169,7 @@ def lm_eval_run(model, tokenizer, tasks, *, limit=None, batch_size: int = 8, num
               max_length=max_length or max_positions(inner))
     results = lm_eval.simple_evaluate(model=lm, tasks=task_specs(tasks, data_files), task_manager=task_manager,
                                       limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+                                      **({"apply_chat_template": True} if chat else {}),
                                       random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                       fewshot_random_seed=seed)
     out = {}

@@ -9,6 +9,7 @@ import logging
 import time
 from pathlib import Path
 
+from snaketrl.data.chat import as_chat, require_template
 from snaketrl.divergence import HINT, Diverged, finite
 from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.generation import generate
@@ -69,10 +70,13 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     reward_models = dict(reward_models or {})
     gen = settings["generation"]
     lm_tasks = settings["lm_eval"]["tasks"]
-    # Every input is checked before the model loads.
-    prompts_rows = _rows(prompts_file, "prompts", settings["prompts"]["size"], where) if prompts_file else None
-    ref_rows = _rows(references_file, "references", settings["references"]["size"], where) if references_file else None
-    pair_rows = _rows(pairs_file, "pairs", settings["pairs"]["size"], where) if pairs_file else None
+    # Every input is checked before the model loads. A chat model reads its prompts as chat turns (target["chat"]:
+    # the kinds whose dataset's prompts it reads so; snaketrl.config.evaluation.eval_targets).
+    chat = set(target.get("chat", []))
+    files = {"prompts": prompts_file, "references": references_file, "pairs": pairs_file}
+    rows_of = {kind: _rows(path, kind, settings[kind]["size"], where) for kind, path in files.items() if path}
+    rows_of = {kind: as_chat(rows) if kind in chat else rows for kind, rows in rows_of.items()}
+    prompts_rows, ref_rows, pair_rows = (rows_of.get(kind) for kind in files)
     reference = read_jsonl(reference_completions) if reference_completions else None
     if reference is not None and prompts_rows is not None:
         if [_prompt_key(r["prompt"]) for r in reference] != [_prompt_key(r["prompt"]) for r in prompts_rows]:
@@ -87,6 +91,9 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     timing, metrics = {"checks": time.perf_counter() - started}, {}
     t = time.perf_counter()
     loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
+    for kind, rows in rows_of.items():
+        require_template(loaded.tokenizer, rows, kind in chat, model=target["model"], dataset=settings[kind]["dataset"],
+                         where=where)
     seed = target.get("seed", 0)
     timing["load"] = time.perf_counter() - t
     rows = []
@@ -125,7 +132,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         lm = settings["lm_eval"]
         metrics["lm_eval"] = lm_eval_run(loaded.model, loaded.tokenizer, lm_tasks, limit=lm["limit"],
                                          batch_size=lm["batch_size"], num_fewshot=lm["num_fewshot"], seed=seed,
-                                         task_manager=manager, data_files=data_files)
+                                         task_manager=manager, data_files=data_files, chat="lm_eval" in chat)
         timing["lm_eval"] = time.perf_counter() - t
     del loaded
 

@@ -1,4 +1,5 @@
-"""Hub models: a snapshot of what training needs, or a local directory copied with the same filter.
+"""Base models from elsewhere: a Hub snapshot of what training needs (or a local directory copied with the same
+filter), or a GGUF file turned into an HF directory (snaketrl.models.gguf).
 """
 
 from __future__ import annotations
@@ -9,13 +10,19 @@ from pathlib import Path
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 
 
-def download(name: str, entry: dict, out_dir: str | Path) -> None:
+def download(name: str, entry: dict, out_dir: str | Path, gguf_path: str | None = None) -> None:
     """snapshot_download of only what training needs; a local directory (pre-downloaded, or a test's
-    fake hub) is copied with the same filter."""
+    fake hub) is copied with the same filter. A `gguf` entry is converted (`gguf_path`: its local file)."""
     import fnmatch
     import shutil
 
     from snaketrl import hub
+
+    if "gguf" in entry:
+        from snaketrl.models.gguf import convert
+
+        convert(name, entry["gguf"], out_dir, gguf_path)
+        return
 
     repo, out_dir = entry["hub"], Path(out_dir)
     patterns = HUB_PATTERNS if entry.get("trust_remote_code") else [p for p in HUB_PATTERNS if p != "*.py"]

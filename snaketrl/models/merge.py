@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from snaketrl.io import atomic
+from snaketrl.models.gguf import SOURCE_FILE
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.trainers import MODEL_CLASSES
 
@@ -25,3 +29,5 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
     with atomic(out_dir, directory=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if (Path(base_dir) / SOURCE_FILE).is_file():  # the runs that start from it record their base's source
+            shutil.copy2(Path(base_dir) / SOURCE_FILE, Path(tmp) / SOURCE_FILE)

@@ -9,7 +9,9 @@ import logging
 import shutil
 from pathlib import Path
 
+from snaketrl.data.chat import chat_rows
 from snaketrl.io import read_jsonl
+from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train.args import build_args, check_args, check_hardware, check_liger_model, check_switches
 from snaketrl.train.distributed import SHARDED
@@ -150,8 +152,13 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
 
-    train_ds = Dataset.from_list(read_jsonl(train_file))
-    eval_ds = Dataset.from_list(read_jsonl(eval_file))
+    # A chat model's prompts as chat turns in its template (snaketrl.data.chat); PPO's come tokenized so.
+    train_rows, eval_rows = read_jsonl(train_file), read_jsonl(eval_file)[:run.get("eval_rows") or spec.eval_rows]
+    if not spec.tokenized:
+        train_rows, eval_rows = (chat_rows(rows, run.get("chat", False), tokenizer, model=run["model"],
+                                           dataset=run["dataset"], where=f"run '{run['name']}'")
+                                 for rows in (train_rows, eval_rows))
+    train_ds, eval_ds = Dataset.from_list(train_rows), Dataset.from_list(eval_rows)
     if batching.get("length_column_name"):
         train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
                              for ds in (train_ds, eval_ds))
@@ -209,7 +216,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     training_samples.finish(samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
                    inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
-                   device=device, resumed_from=resume,
+                   device=device, resumed_from=resume, model_source=read_source(model_dir),
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
     return metrics
 

