@@ -141,14 +141,17 @@ def test_each_mistake_is_one_line_naming_its_key(change, message):
     assert str(err.value) == message
 
 
-def test_numeric_strings_are_the_numbers_meant():
-    """YAML 1.1 reads 1e-4 as the string '1e-4': the job gets the float, a swept run keeps the name as written."""
+def test_yaml_1_1_readings_are_the_values_meant():
+    """YAML 1.1 reads 1e-4 as the string '1e-4' and `no` as false: the job gets the float and 'no'; a swept run
+    keeps the name as written."""
     def change(config):
-        config["training"]["learning_rate"] = "1e-4"
+        text = "learning_rate: 1e-4\neval_strategy: no\n"
+        config["training"].update(yaml.safe_load(text))
         config["lora"]["r"] = 8.0
         config["sweeps"] = {"dpo": {"beta": ["5e-2", 0.5]}}
 
     runs = parse(change)
+    assert runs["sft-qwen2-tiny"]["args"]["eval_strategy"] == "no"
     assert runs["sft-qwen2-tiny"]["args"]["learning_rate"] == 1e-4
     assert isinstance(runs["sft-qwen2-tiny"]["args"]["learning_rate"], float)
     assert runs["sft-qwen2-tiny"]["lora"]["r"] == 8 and isinstance(runs["sft-qwen2-tiny"]["lora"]["r"], int)

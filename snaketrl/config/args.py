@@ -1,7 +1,7 @@
 """TRL and LoRA fields written in the config, checked where they are written: each name against its config
 class (read statically, snaketrl.train.fields), each value against the field's type and, for the counts that
 make a run train nothing, its range. Values are returned as the job needs them: YAML 1.1 reads `1e-4` as the
-string '1e-4', which a numeric field takes as the number the user meant.
+string '1e-4' and `no` as false, which a numeric field, or one whose choices hold 'no', takes as meant.
 
 Pure Python (no torch/transformers/trl/peft import): snaketrl.config.check calls this at parse time.
 """
@@ -22,6 +22,8 @@ LORA_OWNED = {"task_type": "the trainer (SEQ_CLS for reward, CAUSAL_LM otherwise
 LORA_TYPES = {"lora_alpha": Field(frozenset({"int", "float"}))}
 
 NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+# What YAML 1.1 reads as a boolean, and that a field of string choices may mean ('no' of eval_strategy).
+YAML_BOOLS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
 
 def _above(low, what=""):
@@ -77,6 +79,9 @@ def value(field: Field, v, where: str):
     elif isinstance(v, bool):
         if "bool" in types:
             return v
+        meant = next((word for word in YAML_BOOLS[v] if word in field.values), None)
+        if meant:  # YAML 1.1 reads `eval_strategy: no` as false
+            return meant
     elif isinstance(v, (int, float)):
         number = _number(types, v)
         if number is not None:
