@@ -96,8 +96,11 @@ def test_evaluation_runs_may_name_a_swept_run(config):
     ({"sft": {"max_length": [64]}}, "config: sweeps.sft.max_length: set by the length histogram (tune "
                                     "length.keep_share), it cannot be swept"),
     ({"kto": {"beta": [0.1]}}, "config: sweeps.kto: no run trains 'kto' (add it to matrix.trainers or runs)"),
+    ({"dpo": {"run_name": ["my run"]}}, "config: sweeps.dpo.run_name: value 'my run' cannot be part of a run name"),
     ({"dpo": {"lr_scheduler_type": ["cosine restarts"]}},
-     "config: sweeps.dpo.lr_scheduler_type: value 'cosine restarts' cannot be part of a run name"),
+     "config: sweeps.dpo.lr_scheduler_type: expected one of 'linear', 'cosine', 'cosine_with_restarts', "),
+    ({"dpo": {"per_device_train_batch_size": [4, 0]}},
+     "config: sweeps.dpo.per_device_train_batch_size: expected an integer >= 1, got 0"),
     ({"dpo": {"beta": [0.1, "0.1"]}}, "config: sweeps.dpo: two runs would both be named 'dpo-qwen2-tiny-beta~0.1'"),
     ({"dpo": {"beta": 0.1}}, "config: sweeps.dpo.beta: 0.1 is not of type 'array'"),
     ({"grpo": {"num_generations": [4, 3]}},

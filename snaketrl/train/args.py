@@ -11,7 +11,9 @@ from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
 OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
-         **{key: "the length stage's batching choice (length.batching)" for key in BATCHING_FIELDS}}
+         "seed": "the top-level seed (`seeds: [...]`, top level or per run, repeats runs over seeds)",
+         **{key: "the length stage's batching choice (length.batching: auto, padded, grouped, packed)"
+            for key in BATCHING_FIELDS}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:

@@ -9,6 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from snaketrl.errors import TrainingError
 from snaketrl.io import read_jsonl
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train.args import build_args, check_args, check_hardware, check_liger_model, check_switches
@@ -88,6 +89,18 @@ def with_lengths(dataset, tokenizer, layout: str, column: str):
     from snaketrl.data.lengths import sequence_lengths
 
     return dataset.add_column(column, sequence_lengths(dataset.to_list(), tokenizer, layout).tolist())
+
+
+def check_trained(state, args, run: str, examples: int) -> None:
+    """A run that made no optimizer step would still write an adapter (the untrained LoRA init), which later
+    jobs would take for a trained one: fail instead, whatever led there."""
+    if state.global_step > 0:
+        return
+    limits = ", ".join(f"{key} {getattr(args, key)}" for key in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
+        "total_episodes") if getattr(args, key, None) is not None)
+    raise TrainingError(f"run '{run}': training ended after 0 optimizer steps ({examples} training examples; "
+                        f"{limits}); nothing was written")
 
 
 def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
@@ -187,6 +200,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         raise
     # A diverged run stops here, before any output exists; its checkpoints and log stay in checkpoint_dir.
     guard.check(metrics)
+    check_trained(trainer.state, args, run["name"], len(train_ds))
     metrics.update(counter.summary())
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
                    activation_checkpointing=bool(checkpointing))
