@@ -150,7 +150,7 @@ def test_ppo_reward_model_must_be_a_reward_run(config):
 def test_ppo_runs_point_at_their_models_reward_run(config):
     runs = check(config)
     assert runs["ppo-pythia-tiny"]["reward_model"] == "reward-pythia-tiny"
-    assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["keyword", "prompt_overlap", "format"]
+    assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["keyword"]
 
 
 def test_tokens_in_config_are_refused(config):
