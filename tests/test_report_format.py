@@ -62,6 +62,15 @@ def test_base_is_the_reference_never_starred_and_a_tie_is_no_lead():
     assert [c["mark"] for c in rows["sft-m"] if c["mark"]] == ["★"]
 
 
+def test_one_seed_lead_within_the_standard_errors_over_prompts_is_marked_approximately():
+    # Std 0.4 over 8 prompts: a standard error of 0.141 each; a lead of 0.2 is within 0.28, one of 0.4 is not.
+    for runner_up, mark in ((0.8, "≈"), (0.6, "★")):
+        metrics = {"base-m": _job("base", "m", 0.0), "a": _job("sft", "m", 1.0), "b": _job("dpo", "m", runner_up)}
+        board, best = leaderboard.table(metrics, {})
+        rows = {row[0]["text"]: row for row in leaderboard.to_table(board, best)["rows"]}
+        assert [c["mark"] for c in rows["a"] if c["mark"]][0] == mark
+
+
 def test_a_lead_within_the_seed_spread_is_marked_approximately():
     metrics = {"base-m": _job("base", "m", 0.0), "a-1": _job("sft", "m", 1.0), "a-2": _job("sft", "m", 2.0),
                "b-1": _job("dpo", "m", 1.2), "b-2": _job("dpo", "m", 1.4)}
@@ -101,10 +110,11 @@ def test_the_sentence_names_the_best_per_model_the_noise_and_the_runs_that_did_n
     assert text[0] == "Yardstick: rm_judge, higher is better; one seed per run (bars: the standard error of the " \
                       "mean over 8 prompts)."
     assert "m: no run leads; " in text[1] and "tie at 0.500" in text[1] and "better than its base base-m (0.100)" in text[1]
-    assert text[2].startswith("With one seed per run no seed spread is known")
+    assert best == {}  # every column ties at the top: nothing to say about leads
+    assert text[2].startswith("A run's variation across seeds is not known with one seed")
     assert text[3] == "Did not move from their start model (the same completion for every prompt): dpo-m (= base-m)."
-    bars = glance.error_bars(board, "rm_judge", metrics, {})
-    assert bars["sft-m"] == pytest.approx(0.4 / math.sqrt(8))
+    assert board["noise"].loc["sft-m", "rm_judge"] == pytest.approx(0.4 / math.sqrt(8))  # one seed: the prompts'
+    assert math.isnan(board["noise"].loc["sft-m", "NLL"])  # no per-prompt spread recorded
 
 
 def test_names_from_the_config_are_escaped(tmp_path, monkeypatch):
@@ -150,5 +160,5 @@ def test_figure_rows_are_trainer_and_dataset_unless_a_model_has_two_groups_there
     board, _ = leaderboard.table(metrics, {})
     labels = glance.row_labels(board, {"sft-m": "tldr", "sft-n": "tldr", "dpo-m-b1": "uf", "dpo-m-b2": "uf"})
     assert labels == {"sft-m": "sft · tldr", "sft-n": "sft · tldr", "dpo-m-b1": "dpo-m-b1", "dpo-m-b2": "dpo-m-b2"}
-    png = glance.glance_png(board, "rm_judge", True, {}, {}, {"dpo-m-b1": "base-m"})
+    png = glance.glance_png(board, "rm_judge", True, {}, {"dpo-m-b1": "base-m"})
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from snaketrl.report.figures import png_bytes
+from snaketrl.report.figures import png_bytes, pyplot
 from snaketrl.report.format import column, table
 from snaketrl.report.plots import log_frame
 from snaketrl.trainers import REGISTRY
@@ -88,10 +88,7 @@ def yardstick_png(board: dict, col: str, higher: bool | None, groups: dict[str, 
                   runs: dict[str, dict]) -> bytes | None:
     """The yardstick against each run group's training FLOPs and seconds (with what it needs; means over
     seeds), on shared axes: a marker per trainer, a colour per model, each base a dashed line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     mean, info = board["mean"], board["info"]
     members: dict[str, list[str]] = {}
@@ -141,10 +138,7 @@ def flops_at(steps, metrics: dict) -> np.ndarray:
 def curves_png(runs: dict[str, dict], states: dict[str, dict], metrics: dict[str, dict]) -> bytes | None:
     """Each trainer's curve (its eval curve where it evaluates during training, else its training curve)
     against the run's cumulative training FLOPs; one panel per trainer on one shared FLOPs axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by_trainer: dict[str, list[str]] = {}
     for run, entry in runs.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from snaketrl.report import leaderboard
-from snaketrl.report.figures import png_bytes
+from snaketrl.report.figures import png_bytes, pyplot
 from snaketrl.report.format import number, spread
 
 
@@ -45,22 +45,6 @@ def moved_groups(groups: dict[str, str], starts: dict[str, str], same: dict[str,
             for group, jobs in members.items()}
 
 
-def error_bars(board: dict, col: str, metrics: dict[str, dict], groups: dict[str, str]) -> dict[str, float]:
-    """Per group: the std over seeds, or with one seed the standard error over the prompts of the score's
-    mean (nothing for a column without per-prompt spread, such as NLL)."""
-    bars = {}
-    for group in board["mean"].index:
-        if board["info"].loc[group, "seeds"] > 1:
-            bars[group] = board["std"].loc[group, col]
-            continue
-        job = next((j for j in metrics if groups.get(j, j) == group), None)
-        score = (metrics.get(job) or {}).get("scores", {}).get(col, {})
-        n = metrics.get(job, {}).get("n_prompts") or 0
-        if score.get("std") is not None and n > 1:
-            bars[group] = score["std"] / math.sqrt(n)
-    return bars
-
-
 def row_labels(board: dict, datasets: dict[str, str]) -> dict[str, str]:
     """Each run group's row in the figure: "trainer · dataset", shared by that trainer's models; a group that
     would share its row with another of its model (a sweep's combinations, runs of one trainer) gets its own,
@@ -73,15 +57,12 @@ def row_labels(board: dict, datasets: dict[str, str]) -> dict[str, str]:
     return {g: g if cells.count((labels[g], info.loc[g, "model"])) > 1 else labels[g] for g in groups}
 
 
-def glance_png(board: dict, col: str, higher: bool | None, bars: dict[str, float], datasets: dict[str, str],
+def glance_png(board: dict, col: str, higher: bool | None, datasets: dict[str, str],
                moved: dict[str, str | None]) -> bytes:
     """One row per trainer (and dataset), one marker per model: the yardstick's mean with its error bar;
     hollow where the run did not move from its start model, "diverged" where it has no value; each base
     model a dashed line in its model's colour."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     mean, info = board["mean"], board["info"]
     models = list(dict.fromkeys(info["model"]))
@@ -106,7 +87,8 @@ def glance_png(board: dict, col: str, higher: bool | None, bars: dict[str, float
                     va="center", fontsize=8, fontweight="bold")
             continue
         hollow = bool(moved.get(group))
-        ax.errorbar(value, y, xerr=bars.get(group), fmt="o", markersize=7, capsize=3, color=colors[model],
+        bar = board["noise"].loc[group, col]
+        ax.errorbar(value, y, xerr=bar if bar == bar else None, fmt="o", markersize=7, capsize=3, color=colors[model],
                     markerfacecolor="white" if hollow else colors[model], markeredgewidth=1.5)
     for model in models:  # one legend entry per model, whatever was drawn first
         ax.plot([], [], "o", color=colors[model], label=model)
@@ -122,11 +104,10 @@ def glance_png(board: dict, col: str, higher: bool | None, bars: dict[str, float
 
 
 def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str | None], n_prompts: int | None,
-              best: dict, bars: dict[str, float] | None = None) -> list[str]:
+              best: dict) -> list[str]:
     """What the figure shows, from the data: the best run per model against its base and runner-up (a lead
     within noise: within the seed spread, or with one seed within the error bars), which runs did not move,
     which diverged."""
-    bars = bars or {}
     mean, std, info = board["mean"], board["std"], board["info"]
     k = leaderboard.kind(col)
     d = 1 if k == "percent" else None
@@ -165,12 +146,10 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
                     shown = lead * (100 if k == "percent" else 1)  # percentage points for a share
                     places = max(d, math.ceil(-math.log10(shown))) if shown else d
                     text += f", {number(shown, 'float', places)}{' points' if k == 'percent' else ''} ahead of {second}"
-                    seed_noise = std.loc[top, col] + std.loc[second, col]
-                    if seed_noise == seed_noise:
-                        text += " (within the seed spread)" if lead < seed_noise else " (more than the seed spread)"
-                    elif top in bars and second in bars:
-                        error = math.hypot(bars[top], bars[second])
-                        text += " (within the error bars)" if lead < error else " (more than the error bars)"
+                    noise = board["noise"].loc[top, col] + board["noise"].loc[second, col]
+                    where = "the seed spread" if seeds > 1 else "the error bars"
+                    if noise == noise:
+                        text += f" (within {where})" if lead < noise else f" (more than {where})"
             if base is not None:
                 delta = mean.loc[top, col] - mean.loc[base, col]
                 above = (delta > 0) == higher
@@ -179,13 +158,14 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
             per_model.append(text)
         out.append("Best per model on the yardstick: " + "; ".join(per_model) + "." if per_model else
                    "No run has a value on the yardstick.")
-    if seeds > 1:
-        close = [f"{col_}: {b['group']} ≈ {b['runner_up']}" for col_, b in best.items() if b["within_spread"]]
-        out.append("Within the seed spread (≈ in the leaderboard): " + "; ".join(close) + "." if close else
-                   "In every column the best run leads by more than the seed spread.")
-    else:
-        out.append("With one seed per run no seed spread is known: a lead may be noise. Set seeds: [1, 2, 3] to "
-                   "tell (the leaderboard then marks a lead within the spread ≈).")
+    close = [f"{c}: {b['group']} ≈ {b['runner_up']}" for c, b in best.items() if b["within_spread"]]
+    noise = "the seed spread" if seeds > 1 else "the standard error over the prompts"
+    if close:
+        out.append(f"Leads within {noise} (≈ in the leaderboard): " + "; ".join(close) + ".")
+    elif best:
+        out.append(f"Where a run leads a leaderboard column (★), it leads by more than {noise}.")
+    if seeds == 1:
+        out.append("A run's variation across seeds is not known with one seed: set seeds: [1, 2, 3] to measure it.")
     same = {g: s for g, s in moved.items() if s}
     if same:
         out.append(f"Did not move from their start model (the same completion for every prompt): "

@@ -79,11 +79,24 @@ def tied(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 
 
+def standard_errors(metrics: dict[str, dict], groups: dict[str, str]) -> dict[tuple[str, str], float]:
+    """(group, score column) -> the standard error of one job's mean score over its prompts: the noise of a
+    run evaluated with one seed."""
+    out = {}
+    for job, m in metrics.items():
+        n = m.get("n_prompts") or 0
+        for score, entry in (m.get("scores") or {}).items():
+            if isinstance(entry, dict) and entry.get("std") is not None and n > 1:
+                out[(groups.get(job, job), score)] = entry["std"] / math.sqrt(n)
+    return out
+
+
 def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFrame, dict]:
-    """Mean, std and seed count per group, bases first; and per column the best run and whether its lead
-    is smaller than the seed spread (then it is no lead at all). A base model is the reference every run is
-    read against, not a contestant; a column whose two best runs are equal has no best (a tie is no lead).
-    A group with a diverged seed has no values: the seeds that did not diverge alone would flatter it."""
+    """Mean, std and seed count per group, bases first, and each cell's noise: the std over seeds, or with
+    one seed a score's standard error over the prompts; per column the best run and whether its lead is
+    smaller than the noise of the two (then it is no lead at all). A base model is the reference every run
+    is read against, not a contestant; a column whose two best runs are equal has no best (a tie is no
+    lead). A group with a diverged seed has no values: the seeds that did not diverge alone would flatter it."""
     df, better = frame(metrics, groups)
     values = [c for c in better if df[c].notna().any()]
     grouped = df.groupby("group", sort=False)
@@ -94,6 +107,11 @@ def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFram
     order = sorted(mean.index, key=lambda g: (info.loc[g, "trainer"] != "base", info.loc[g, "model"],
                                               trainer_rank(info.loc[g, "trainer"]), g))
     mean, std, info = mean.loc[order], std.loc[order], info.loc[order]
+    errors = standard_errors(metrics, groups)
+    noise = std.copy()
+    for group in noise.index[info["seeds"] == 1]:
+        noise.loc[group] = [errors.get((group, col), float("nan")) for col in noise.columns]
+    noise[mean.isna()] = float("nan")
     runs = [g for g in mean.index if info.loc[g, "trainer"] != "base"]
     best = {}
     for col in values:
@@ -101,10 +119,10 @@ def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFram
         if better[col] is None or len(ranked) < 2 or tied(ranked.iloc[0], ranked.iloc[1]):
             continue
         first, second = ranked.index[0], ranked.index[1]
-        spread = (std[col].fillna(0).get(first, 0) or 0) + (std[col].fillna(0).get(second, 0) or 0)
+        spread = noise[col].fillna(0)[first] + noise[col].fillna(0)[second]
         best[col] = {"group": first, "runner_up": second, "lead": abs(ranked.iloc[0] - ranked.iloc[1]),
                      "within_spread": bool(abs(ranked.iloc[0] - ranked.iloc[1]) < spread)}
-    return {"mean": mean, "std": std, "info": info}, best
+    return {"mean": mean, "std": std, "noise": noise, "info": info}, best
 
 
 def kind(label: str) -> str:
@@ -126,7 +144,7 @@ def primary(labels: list[str]) -> set[str]:
 def to_table(board: dict, best: dict, moved: dict[str, str | None] | None = None) -> dict:
     """The leaderboard as a report table (snaketrl.report.format.table): mean ± std cells, one number of
     decimals per column; the best per column in bold, ★ or ≈ when its lead over the runner-up is smaller
-    than their seed spread; a diverged group's cells say so. `moved`: group -> None where its completions
+    than their noise (seed spread, or one seed's standard error); a diverged group's cells say so. `moved`: group -> None where its completions
     differ from its start model's, else that start model (it did not move)."""
     from snaketrl.report.format import cell, column, decimals_for, number, spread
     from snaketrl.report.format import table as make_table

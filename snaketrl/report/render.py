@@ -10,7 +10,7 @@ import pandas as pd
 
 from snaketrl.io import read_json, read_jsonl
 from snaketrl.report import compute, glance, leaderboard
-from snaketrl.report.figures import data_uri, first_value, last_value, png_bytes
+from snaketrl.report.figures import data_uri, first_value, last_value, png_bytes, pyplot
 from snaketrl.report.format import cell, column, number, plain, pretty_json, table
 from snaketrl.report.plots import log_frame
 from snaketrl.report.sweeps import sweep_sections, yardstick
@@ -85,10 +85,7 @@ def frame_table(df: pd.DataFrame, kinds: dict[str, str], shown=None, index: str 
 
 def overlay_png(trainer: str, states: dict[str, dict]) -> bytes:
     """The trainer's overlay metric (train and eval) for each of its runs, on one axes, labelled by run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     key = REGISTRY[trainer].overlay
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -139,10 +136,7 @@ def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
     """The tiny bases' pretraining (`pretrained`: model -> {state, metrics} files): a table and one figure."""
     if not pretrained:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -184,9 +178,8 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], runs:
     prompts = max((m.get("n_prompts") or 0 for m in metrics.values()), default=0)
     first = None
     if col is not None:
-        bars = glance.error_bars(board, col, metrics, groups)
-        first = {"png": data_uri(glance.glance_png(board, col, better[col], bars, datasets, moved)),
-                 "sentences": glance.sentences(board, col, better[col], moved, prompts, best, bars), "metric": col}
+        first = {"png": data_uri(glance.glance_png(board, col, better[col], datasets, moved)),
+                 "sentences": glance.sentences(board, col, better[col], moved, prompts, best), "metric": col}
 
     side = []
     first_job = {}  # group -> its first seed's job: the side-by-side table shows one completion per group

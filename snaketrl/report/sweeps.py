@@ -5,7 +5,7 @@ yardstick when every member was evaluated, else by the trainer's headline metric
 from __future__ import annotations
 
 from snaketrl.report import leaderboard
-from snaketrl.report.figures import data_uri, last_value, png_bytes
+from snaketrl.report.figures import data_uri, last_value, png_bytes, pyplot
 from snaketrl.trainers import REGISTRY
 
 
@@ -78,10 +78,7 @@ def _table(table, label: str, higher: bool | None) -> dict:
 def sweep_png(table, label: str, title: str) -> bytes:
     """The metric against each swept value (one panel per key), one line per setting of the other keys;
     error bars: std over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = [c for c in table.columns if c not in ("mean", "std", "seeds")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
