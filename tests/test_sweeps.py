@@ -2,7 +2,6 @@
 
 import copy
 import json
-import re
 import struct
 
 import pytest
@@ -190,15 +189,16 @@ def test_sweep_table_and_plot_read_the_yardstick_per_combination():
     runs, states, metrics = sweep_runs()
     dpo, reward = sweep_sections(runs, states, metrics)
     assert (dpo["name"], dpo["metric"], dpo["source"], dpo["combinations"]) == ("dpo-a", "rm_judge", "evaluation", 4)
-    body = dpo["table"][dpo["table"].index("<tbody>"):]
-    rows = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+    rows = [[c["text"] for c in row] for row in dpo["table"]["rows"]]
     assert rows == [
-        ["0.1", "0.001", "2 ± 0", "2"], ["0.1", "0.01", "2 ± 1.4", "2"],
-        ["0.5", "0.001", "1 ± 0.71", "2"], ["0.5", "0.01", "<b>4 ± 0</b>", "2"]]
+        ["0.1", "0.001", "2.00 ± 0.00", "2"], ["0.1", "0.01", "2.00 ± 1.41", "2"],
+        ["0.5", "0.001", "1.00 ± 0.71", "2"], ["0.5", "0.01", "4.00 ± 0.00", "2"]]
+    assert [c["bold"] for c in dpo["table"]["rows"][3]] == [False, False, True, False]
     # One panel per swept key, 4 in wide each at 90 dpi.
     assert png_size(base64.b64decode(dpo["png"].split(",", 1)[1]))[0] == 2 * 4 * 90
     assert (reward["metric"], reward["source"]) == ("accuracy", "training log (last value)")
-    assert "<td>0.75</td>" in reward["table"] and "<b>" not in reward["table"]  # no "better" known: no best
+    cells = [c for row in reward["table"]["rows"] for c in row]
+    assert "0.750" in {c["text"] for c in cells} and not any(c["bold"] for c in cells)  # no "better" known: no best
     assert png_size(base64.b64decode(reward["png"].split(",", 1)[1]))[0] == 4 * 90
 
 
@@ -222,6 +222,6 @@ def test_report_renders_the_sweep_section(tmp_path, monkeypatch):
                   groups={n: r["group"] for n, r in runs.items()})
     section = html[html.index("<h2>Sweeps"):html.index("<h2>Summary of training")]
     assert 'id="sweep-dpo-a"' in section and "<b>rm_judge</b> (evaluation)" in section
-    assert "<b>4 ± 0</b>" in section and section.count('src="data:image/png;base64,') == 1
+    assert "<b>4.00 ± 0.00</b>" in section and section.count('src="data:image/png;base64,') == 1
     plain = {n: {k: v for k, v in r.items() if k not in ("sweep", "swept")} for n, r in runs.items()}
     assert sweep_sections(plain, {}, metrics) == []  # no sweep: no section

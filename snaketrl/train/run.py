@@ -178,6 +178,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[counter, guard, *(callbacks or [])], **extra)
+    counter.watch(trainer)  # FLOPs of its reference, reward and value models too
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
                     run["distributed"])
