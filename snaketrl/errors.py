@@ -23,6 +23,10 @@ class HubUnreachable(SnaketrlError, RuntimeError):
     pass
 
 
+class DiskFull(SnaketrlError, OSError):
+    """A save that ran out of space; the message names the path and the space it needed."""
+
+
 def did_you_mean(name: str, known) -> str:
     """`; did you mean 'x'?` for the closest of `known`, or "" when none is close: the hint every
     "unknown name" message ends with."""
