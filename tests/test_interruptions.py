@@ -145,3 +145,30 @@ def test_killed_anywhere_full_disk_and_forced_rerun_give_the_uninterrupted_resul
     forced = result(out)
     assert_same(resumed, forced)
     assert forced["metrics"]["real_tokens"] > 0 and len(forced["state"]["log_history"]) >= 3
+
+
+def test_old_checkpoints_rotate_out_only_after_the_new_one_is_sealed(tmp_path, config, tiny_model_dir, monkeypatch):
+    """transformers deletes checkpoints beyond save_total_limit inside the save, before snaketrl seals the new
+    one: under a limit of 1 a kill there would leave no complete checkpoint. The rotation waits for the seal."""
+    from transformers import TrainerCallback
+
+    from snaketrl.train.checkpoints import Attempt
+    from snaketrl.train.run import train_run
+
+    inputs = prepare(tmp_path, config, tiny_model_dir, "sft")
+    inputs["run"]["args"].update(max_steps=4, save_steps=2, save_total_limit=1)
+    seen, seal = [], Attempt._seal
+
+    def sealing(self, folder):
+        seen.append(sorted(p.name for p in folder.parent.glob("checkpoint-*")))
+        seal(self, folder)
+
+    class Saved(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(sorted(p.name for p in inputs["checkpoint_dir"].glob("checkpoint-*")))
+
+    monkeypatch.setattr(Attempt, "_seal", sealing)
+    train_run(**inputs, threads=1, callbacks=[Saved()])
+    assert seen == [["checkpoint-2"], ["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4"]]
+    state = json.loads((inputs["out_dir"] / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and not list(inputs["checkpoint_dir"].glob("checkpoint-*"))

@@ -6,7 +6,8 @@ keeps beyond transformers' own files so that a resumed run ends exactly where an
 - A checkpoint is trusted only when its save ended: the last thing a save writes is `snaketrl_checkpoint.json`,
   listing every file of the checkpoint with its size, after they are synced to disk. A checkpoint without it,
   or whose files differ from it (a kill, a full disk, a lost node), is removed with one log line naming what
-  it lacks, and the rerun resumes from the newest complete one.
+  it lacks, and the rerun resumes from the newest complete one. Checkpoints beyond save_total_limit go only
+  after the new one is sealed, so one complete checkpoint is always there.
 - transformers resumes weights, optimizer, scheduler, RNG and TrainerState, but each attempt restarts the
   running sums it reports at the end: `train_loss` (the loss sum over this attempt's steps only), TRL's
   `num_tokens` and between-log metric lists, TokenCounter's steps, the training-samples file, and the runtime.
@@ -177,8 +178,7 @@ class Attempt(TrainerCallback):
     def __init__(self, checkpoint_dir, parts: dict[str, str], run: str = "?"):
         check_kill_env()
         self.dir, self.run, self.parts = Path(checkpoint_dir), run, parts
-        self.resume, self.attempts = self._start()
-        self._stamp(finished=False)
+        self.resume, self.attempts, self._stale = self._start()
         self.saved = self._load(self.resume)  # what the checkpoint kept beyond transformers' files
         self.trainer = self.counter = None
         self.samples = self.dir / "training_samples.jsonl"
@@ -187,8 +187,9 @@ class Attempt(TrainerCallback):
 
     # -- where an attempt starts
 
-    def _start(self) -> tuple[str | None, list[dict]]:
-        """The checkpoint to resume (None: step 0) and the attempts so far, this one last; the log says why."""
+    def _start(self) -> tuple[str | None, list[dict], list[Path]]:
+        """The checkpoint to resume (None: step 0), the attempts so far with this one last, and what `attach`
+        removes. It only reads: every process of a launched job decides from the same files (the log says why)."""
         from snaketrl.train.guard import MARKER as DIVERGED
         from snaketrl.train.guard import refuse_resume
 
@@ -197,48 +198,37 @@ class Attempt(TrainerCallback):
         old = saved.get("parts", {})
         earlier = any(self.dir.glob(f"{PREFIX}*")) or (self.dir / DIVERGED).is_file()
         attempts = saved.get("attempts", []) if old == self.parts else []
-        reason = None
+        complete, set_aside = [], {}
         if earlier and old != self.parts:
             changed = sorted(k for k in {*old, *self.parts} if old.get(k) != self.parts.get(k))
             reason = f"checkpoints in {self.dir} were made with another {', '.join(changed)}: starting over"
-            shutil.rmtree(self.dir)
-        refuse_resume(self.dir, self.run)  # the same config and inputs diverged here: stop before loading anything
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if saved.get("finished"):
-            reason = reason or "it finished before (a forced or triggered rerun): starting over"
-            attempts = []
-            self._clear()
-        set_aside = self._set_aside()
-        complete = self._complete()
+            stale = [self.dir]
+        else:
+            refuse_resume(self.dir, self.run)  # the same config and inputs diverged here: stop before loading
+            folders = sorted((f for f in self.dir.glob(f"{PREFIX}*") if f.is_dir() and _step(f) >= 0), key=_step)
+            if saved.get("finished"):
+                reason = "it finished before (a forced or triggered rerun): starting over"
+                attempts, stale = [], folders  # its checkpoints, if their removal was cut short
+            else:
+                set_aside = self._cut_short(folders)
+                complete = [f for f in folders if f.name not in set_aside]
+                stale = [self.dir / name for name in set_aside]
+                if complete:
+                    reason = f"the last attempt was cut short: resuming from {complete[-1].name}"
+                elif attempts or set_aside:
+                    reason = "the last attempt was cut short before a complete checkpoint: starting over"
+                else:
+                    reason = "first attempt"
         start = _step(complete[-1]) if complete else 0
-        if reason is None and complete:
-            reason = f"the last attempt was cut short: resuming from {complete[-1].name}"
-        elif reason is None:
-            reason = ("the last attempt was cut short before a complete checkpoint: starting over"
-                      if attempts or set_aside else "first attempt")
         reason += f" at step {start}" + "".join(f"; {name} set aside" for name in set_aside)
         log.log(logging.INFO if reason.startswith("first attempt") else logging.WARNING, "%s: %s", self.run, reason)
         resume = str(complete[-1]) if complete else None
         return resume, [*attempts, {"started_at_step": start, "reason": reason, "checkpoint": resume,
                                     "set_aside": set_aside,
-                                    "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
+                                    "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}], stale
 
-    # -- where an attempt starts
-
-    def _stamp(self, finished: bool) -> None:
-        from snaketrl.io import write_json
-
-        write_json({"parts": self.parts, "finished": finished, "attempts": self.attempts}, self.dir / STAMP)
-
-    def _clear(self) -> None:
-        """A finished run's leftovers: its checkpoints (if their removal was cut short) and live samples."""
-        for folder in self.dir.glob(f"{PREFIX}*"):
-            shutil.rmtree(folder, ignore_errors=True)
-        self.dir.joinpath("training_samples.jsonl").unlink(missing_ok=True)
-
-    def _set_aside(self) -> dict[str, str]:
-        """Remove every checkpoint cut short, one log line each naming what it lacks."""
-        folders = sorted((f for f in self.dir.glob(f"{PREFIX}*") if f.is_dir() and _step(f) >= 0), key=_step)
+    def _cut_short(self, folders: list[Path]) -> dict[str, str]:
+        """Checkpoint name -> what it lacks, for each one cut short; one log line each."""
         expected = set(USUAL)
         for folder in folders:
             if (folder / MARKER).is_file():
@@ -253,8 +243,12 @@ class Attempt(TrainerCallback):
                 aside[folder.name] = ", ".join(lacking)
                 log.warning("%s: %s was cut short (it lacks %s): set aside (removed), never resumed from", self.run,
                             folder, aside[folder.name])
-                shutil.rmtree(folder, ignore_errors=True)
         return aside
+
+    def _stamp(self, finished: bool) -> None:
+        from snaketrl.io import write_json
+
+        write_json({"parts": self.parts, "finished": finished, "attempts": self.attempts}, self.dir / STAMP)
 
     def _complete(self) -> list[Path]:
         return sorted((f for f in self.dir.glob(f"{PREFIX}*") if _step(f) >= 0 and (f / MARKER).is_file()),
@@ -283,21 +277,22 @@ class Attempt(TrainerCallback):
             self.saved = self._load(self.resume, trainer.args.process_index)
         if counter is not None:
             counter.steps[:] = self.saved.get("token_steps", [])
-        if self.samples.is_file() and trainer.is_world_process_zero():
-            from snaketrl.io import atomic
-
-            lines = self.samples.read_text(encoding="utf-8").splitlines(keepends=True)
-            with atomic(self.samples) as tmp:
-                tmp.write_text("".join(lines[:self.saved.get("samples", 0)]), encoding="utf-8")
+        trainer.accelerator.wait_for_everyone()  # every process has decided before anything is removed
+        if trainer.is_world_process_zero():
+            self._tidy()
+        trainer.accelerator.wait_for_everyone()
         if samples_log is not None:
             samples_log.reconciled = True  # the file now ends where the checkpoint did
         save, save_rest = trainer._save_checkpoint, trainer._save_optimizer_and_scheduler
 
         def save_checkpoint(model, trial):
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
             folder = Path(trainer._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
             (folder / MARKER).unlink(missing_ok=True)  # a save over an existing checkpoint: untrusted until sealed
+            # transformers rotates old checkpoints out before this one is sealed (under save_total_limit: 1 a
+            # kill then would leave none complete): rotate after the seal instead.
+            limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
             try:
                 save(model, trial)
                 self._save_state(folder)
@@ -308,6 +303,11 @@ class Attempt(TrainerCallback):
                 if not _disk_full(err):
                     raise
                 raise self._disk_full(folder) from err
+            finally:
+                trainer.args.save_total_limit = limit
+            if trainer.args.should_save:
+                rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit, use_mtime=True,
+                                   best_model_checkpoint=trainer.state.best_model_checkpoint)
             kill_point("after_checkpoint", trainer.state.global_step)
             if trainer.state.global_step >= trainer.state.max_steps:
                 kill_point("after_last_checkpoint")
@@ -318,6 +318,20 @@ class Attempt(TrainerCallback):
 
         trainer._save_checkpoint = save_checkpoint
         trainer._save_optimizer_and_scheduler = save_rest_of_checkpoint
+
+    def _tidy(self) -> None:
+        """Remove what this attempt does not resume from, record the attempt, and cut the live samples file
+        back to the checkpoint's rows (all of them when starting over)."""
+        from snaketrl.io import atomic
+
+        for path in self._stale:
+            shutil.rmtree(path, ignore_errors=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._stamp(finished=False)
+        if self.samples.is_file():
+            lines = self.samples.read_text(encoding="utf-8").splitlines(keepends=True)
+            with atomic(self.samples) as tmp:
+                tmp.write_text("".join(lines[:self.saved.get("samples", 0)]), encoding="utf-8")
 
     def _save_state(self, folder: Path) -> None:
         import torch
@@ -447,4 +461,6 @@ class Attempt(TrainerCallback):
     def finish(self) -> None:
         """The outputs are written: no later rerun resumes this run's checkpoints (they are removed)."""
         self._stamp(finished=True)
-        self._clear()
+        for folder in self.dir.glob(f"{PREFIX}*"):
+            shutil.rmtree(folder, ignore_errors=True)
+        self.samples.unlink(missing_ok=True)
