@@ -363,19 +363,18 @@ class Attempt(TrainerCallback):
     def _disk_full(self, folder: Path) -> DiskFull:
         complete = [f for f in self._complete() if f != folder]
         if complete:
-            need, basis = _size(complete[-1]), f"the size of {complete[-1].name}"
+            need = f"about {_human(_size(complete[-1]))} (the size of {complete[-1].name})"
         else:
             trainer = self.trainer
             weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
             moments = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
                           for t in s.values() if hasattr(t, "numel"))
-            need, basis = weights + moments, "its trainable weights and optimizer state"
+            need = f"more than {_human(weights + moments)} (its trainable weights and optimizer state alone)"
         shutil.rmtree(folder, ignore_errors=True)  # nothing half-written stays to take space or be trusted
         free = shutil.disk_usage(self.dir if self.dir.exists() else self.dir.parent).free
         where = complete[-1].name if complete else "the start"
-        return DiskFull(f"run '{self.run}': no space left on device for checkpoint {folder}: it needs about "
-                        f"{_human(need)} ({basis}), {_human(free)} free there; free some space and rerun: it "
-                        f"resumes from {where}")
+        return DiskFull(f"run '{self.run}': no space left on device for checkpoint {folder}: it needs {need}, "
+                        f"{_human(free)} free there; free some space and rerun: it resumes from {where}")
 
     def _seconds(self) -> float:
         return self.saved.get("seconds", 0.0) + (time.perf_counter() - self._began if self._began else 0.0)
