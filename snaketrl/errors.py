@@ -28,6 +28,10 @@ class TrainingError(SnaketrlError, RuntimeError):
     """A training job that ended without a result worth keeping (no optimizer step)."""
 
 
+class DiskFull(SnaketrlError, OSError):
+    """A save that ran out of space; the message names the path and the space it needed."""
+
+
 def closest(name: str, known) -> str | None:
     """The closest of `known` to `name`, or None when none is close: the first (in `known`'s order) holding
     `name` as a whole word (`adamw` -> adamw_torch, `alpha` -> lora_alpha, not the more similar grokadamw or

@@ -99,7 +99,7 @@ class _Resume(TrainerCallback):
         self.trainer, self.checkpoint, self.saved, self.max_steps = trainer, checkpoint, saved, max_steps
 
     def on_train_begin(self, args, state, control, **kwargs):
-        for key in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+        for key in ("global_step", "episode", "epoch", "log_history", "total_flos", "stateful_callbacks"):
             setattr(state, key, self.saved[key])
         state.max_steps = self.max_steps  # TRL set it to the updates left; save and stop decisions need all
         self.trainer._load_rng_state(self.checkpoint)
@@ -112,6 +112,8 @@ class PPOTrainer(TRLPPOTrainer):
     """`train(resume_from_checkpoint=...)` continues from a checkpoint this class wrote; `train()` stops at the
     log where a callback sets `should_training_stop`, and ends with the summary entry (runtime) other trainers
     add to `log_history`."""
+
+    own_loop = True  # TRL's loop, not transformers': snaketrl.train.checkpoints leaves the rest of its resume here
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from snaketrl.errors import TrainingError
@@ -23,27 +23,6 @@ log = logging.getLogger("snaketrl.train")
 
 def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def last_checkpoint(checkpoint_dir: Path, parts: dict[str, str], run: str = "?") -> str | None:
-    """The newest checkpoint made from the same config and the same inputs (`parts`: name -> content hash);
-    checkpoints (or a divergence marker) of anything else are removed, and the log says what changed. Raises
-    Diverged if the same config and inputs diverged there (snaketrl.train.guard)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from snaketrl.train.guard import MARKER, refuse_resume
-
-    stamp = checkpoint_dir / "snaketrl_run.json"
-    old = json.loads(stamp.read_text()).get("parts", {}) if stamp.is_file() else {}
-    earlier = any(checkpoint_dir.glob("checkpoint-*")) or (checkpoint_dir / MARKER).is_file()
-    if earlier and old != parts:
-        changed = sorted(k for k in {*old, *parts} if old.get(k) != parts.get(k))
-        log.warning("checkpoints in %s were made with another %s: starting over", checkpoint_dir, ", ".join(changed))
-        shutil.rmtree(checkpoint_dir)
-    refuse_resume(checkpoint_dir, run)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({"parts": parts}, indent=2))
-    return get_last_checkpoint(str(checkpoint_dir))
 
 
 def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
@@ -112,6 +91,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     from snaketrl import manifest
     from snaketrl.io import atomic, hash_path, write_json
     from snaketrl.train import training_samples
+    from snaketrl.train.checkpoints import Attempt, kill_point
     from snaketrl.train.guard import DivergenceGuard
     from snaketrl.train.tokens import TokenCounter
 
@@ -141,11 +121,11 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
               "reward_model": reward_dir}
     hashes = {name: hash_path(path) for name, path in inputs.items() if path}
     samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
-    # Resume only what the same config and the same inputs started; a diverged one stops here, before loading.
+    # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
+    # says which and why); a diverged one stops here, before loading.
     parts = {"config": _fingerprint(run), **hashes}
-    resume = last_checkpoint(checkpoint_dir, parts, run["name"])
-    if resume:
-        log.info("resuming %s from %s", run["name"], resume)
+    attempt = Attempt(checkpoint_dir, parts, run["name"])
+    resume = attempt.resume
 
     from datasets import Dataset
     from peft import LoraConfig
@@ -160,7 +140,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
-    peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
+    # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
+    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
 
     train_ds = Dataset.from_list(read_jsonl(train_file))
@@ -177,7 +158,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         trainer_cls = with_grouped_sampler(trainer_cls)
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
-                          callbacks=[counter, guard, *(callbacks or [])], **extra)
+                          callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
@@ -193,7 +174,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
     dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 
-    training_samples.attach(trainer, samples, run["name"])
+    attempt.attach(trainer, counter, training_samples.attach(trainer, samples, run["name"]))
     try:
         metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     except RuntimeError as err:
@@ -202,6 +183,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     # A diverged run stops here, before any output exists; its checkpoints and log stay in checkpoint_dir.
     guard.check(metrics)
     check_trained(trainer.state, args, run["name"], len(train_ds))
+    attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
     metrics.update(counter.summary())
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
                    activation_checkpointing=bool(checkpointing))
@@ -220,12 +202,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         return metrics
     with atomic(out_dir / "trainer_state.json") as tmp:
         trainer.state.save_to_json(str(tmp))
+    kill_point("writing_outputs")
     write_json(metrics, out_dir / "metrics.json")
     training_samples.finish(samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
                    inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
-                   device=device, resumed_from=resume,
+                   device=device, resumed_from=resume, attempts=attempt.attempts,
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
+    attempt.finish()
     return metrics
 
 
