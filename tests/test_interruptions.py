@@ -30,8 +30,9 @@ STARTS = {"ppo": [0, 0, 3, 3, 6, 6], **{t: [0, 2, 2, 2, 4, 6, 6, 6] for t in PER
 
 
 def clock(key: str) -> bool:
-    """Wall-clock figures: the only values a resumed run may report differently."""
-    return key.endswith(("_runtime", "_per_second", "step_time")) or key == "eps"
+    """Wall-clock and memory figures: the only values a resumed run may report differently (a process's peak
+    RSS depends on what it loaded before)."""
+    return key.endswith(("_runtime", "_per_second", "step_time", "_seconds")) or key in ("eps", "peak_rss_bytes", "cuda_peak_bytes")
 
 
 def result(out) -> dict:
@@ -40,6 +41,7 @@ def result(out) -> dict:
     state = json.loads((out / "trainer_state.json").read_text())
     state["log_history"] = [{k: v for k, v in e.items() if not clock(k)} for e in state["log_history"]]
     metrics = json.loads((out / "metrics.json").read_text())
+    metrics["cost_by_step"] = {k: v for k, v in metrics["cost_by_step"].items() if not clock(f"cost_{k}")}
     return {"state": state, "metrics": {k: v for k, v in metrics.items() if not clock(k)},
             "samples": read_jsonl(out / "training_samples.jsonl"),
             "adapter": load_file(out / "adapter" / "adapter_model.safetensors")}

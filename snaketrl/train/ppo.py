@@ -103,9 +103,18 @@ class _Resume(TrainerCallback):
             setattr(state, key, self.saved[key])
         state.max_steps = self.max_steps  # TRL set it to the updates left; save and stop decisions need all
         self.trainer._load_rng_state(self.checkpoint)
-        # An uninterrupted run samples right after saving at this step; the sampling draws from the RNG.
-        if args.num_sample_generations > 0:
-            self.trainer.generate_completions(sampling=True)
+
+
+class _ReplaySampling(TrainerCallback):
+    """An uninterrupted run samples right after saving at the resumed step; the sampling draws from the RNG
+    (and its forward passes count towards the next update's cost). Last of the callbacks: the others' hooks
+    (snaketrl.train.tokens) are in place by then, as they were in the uninterrupted run."""
+
+    def __init__(self, trainer: PPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.generate_completions(sampling=True)
 
 
 class PPOTrainer(TRLPPOTrainer):
@@ -185,14 +194,17 @@ class PPOTrainer(TRLPPOTrainer):
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
         started = time.perf_counter()
         total = self.args.num_total_batches
-        resume, episode = None, 0
+        added, episode = [], 0
         if resume_from_checkpoint:
             saved = self._load_checkpoint(resume_from_checkpoint)
-            resume = _Resume(self, resume_from_checkpoint, saved, total)
             # The loop runs range(1, num_total_batches + 1): the updates left. Its `update` index is only
             # read by the sampling period, which generate_completions takes from the global step.
             self.args.num_total_batches = total - saved["global_step"]
-            self.callback_handler.callbacks.insert(0, resume)
+            added = [_Resume(self, resume_from_checkpoint, saved, total)]
+            self.callback_handler.callbacks.insert(0, added[0])
+            if self.args.num_sample_generations > 0:
+                added.append(_ReplaySampling(self))
+                self.callback_handler.callbacks.append(added[-1])
             episode = saved["episode"]
         self._session = (time.time(), episode)  # for `eps`
         loader, self.dataloader = self.dataloader, self._passes  # TRL's loop reads self.dataloader once
@@ -210,8 +222,8 @@ class PPOTrainer(TRLPPOTrainer):
             gc.unfreeze()
             self.dataloader = loader
             self.args.num_total_batches = total
-            if resume is not None:
-                self.callback_handler.callbacks.remove(resume)
+            for callback in added:
+                self.callback_handler.callbacks.remove(callback)
         metrics = {"train_runtime": time.perf_counter() - started, "global_step": self.state.global_step}
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         return TrainOutput(self.state.global_step, None, metrics)
