@@ -105,7 +105,7 @@ def test_no_runs_is_an_error(config):
 
 def test_grpo_batch_not_divisible_by_num_generations(config):
     config["trainers"]["grpo"]["args"].update(num_generations=3)
-    with pytest.raises(ConfigError, match=r"matrix \(run grpo-qwen2-tiny\): generation batch 8 \("
+    with pytest.raises(ConfigError, match=r"matrix \(run grpo-qwen2-tiny\): generation batch 16 \("
                                           r"per_device_train_batch_size x steps_per_generation\) is not divisible "
                                           r"by num_generations=3"):
         check(config)

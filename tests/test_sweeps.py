@@ -103,7 +103,7 @@ def test_evaluation_runs_may_name_a_swept_run(config):
     ({"dpo": {"beta": [0.1, "0.1"]}}, "config: sweeps.dpo: two runs would both be named 'dpo-qwen2-tiny-beta~0.1'"),
     ({"dpo": {"beta": 0.1}}, "config: sweeps.dpo.beta: 0.1 is not of type 'array'"),
     ({"grpo": {"num_generations": [4, 3]}},
-     "config: sweeps.grpo (run grpo-qwen2-tiny-num_generations~3): generation batch 8 "),
+     "config: sweeps.grpo (run grpo-qwen2-tiny-num_generations~3): generation batch 16 "),
 ])
 def test_bad_sweep_is_one_line_at_parse_time(config, sweeps, message):
     with pytest.raises(ConfigError) as err:
