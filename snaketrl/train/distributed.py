@@ -252,9 +252,11 @@ def failure_line(run: str, output: str, seconds: float, code: int) -> str:
             f"stopped the other ranks and the job failed after {seconds:.1f} s")
 
 
-def run_launch(cmd: list[str], env: dict, run: str) -> None:
-    """Run a launch command to its end, its output into this process's stdout/stderr (the job's log), ending
-    with this process (die_with_parent). A failure raises TrainingError with `failure_line`."""
+def run_launch(cmd: list[str], env: dict, run: str, err=None) -> None:
+    """Run a launch command to its end, its output into this process's stdout and `err` (default stderr: the
+    job's log), ending with this process (die_with_parent). A failure raises TrainingError with
+    `failure_line`."""
+    err = err or sys.stderr
     started = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, errors="replace",
                             preexec_fn=die_with_parent)
@@ -263,8 +265,8 @@ def run_launch(cmd: list[str], env: dict, run: str) -> None:
     def copy():
         for line in proc.stderr:
             seen.append(line)
-            sys.stderr.write(line)
-        sys.stderr.flush()
+            err.write(line)
+        err.flush()
 
     reader = threading.Thread(target=copy, daemon=True)
     reader.start()

@@ -280,6 +280,9 @@ def main(argv=None) -> None:
     from snaketrl.smk import _one_line
     from snaketrl.train.distributed import RANK_ERROR
 
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
     try:
         for path in argv or sys.argv[1:]:
             job = json.loads(Path(path).read_text())
@@ -289,7 +292,7 @@ def main(argv=None) -> None:
         if not isinstance(err, SnaketrlError):
             traceback.print_exc()
         message = str(err) if isinstance(err, SnaketrlError) else f"{type(err).__name__}: {err}"
-        print(f"{RANK_ERROR}{os.environ.get('RANK', '0')}: {_one_line(message, 300)}", file=sys.stderr, flush=True)
+        print(f"{RANK_ERROR}{rank}: {_one_line(message, 300)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
