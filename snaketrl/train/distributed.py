@@ -183,7 +183,8 @@ def free_port() -> int:
 
 def check_launcher(mode: str, run: str, p: Plan | None = None) -> None:
     """Job start, before any process launches: DeepSpeed modes need the deepspeed package (pinned in
-    requirements.txt and envs/train.yaml, but a job may run in an environment of its own); FSDP needs GPUs."""
+    requirements.txt and envs/train.yaml, but a job may run in an environment of its own); FSDP needs GPUs (parse
+    time refuses it on CPUs where the profile's resources show none; a job started with others is told here)."""
     if mode in DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError(f"config: run '{run}': distributed: {mode} needs DeepSpeed, which is not installed in this "
                           f"job's environment; run `pip install deepspeed` there, or use distributed: ddp or fsdp")
