@@ -272,6 +272,13 @@ def test_several_nodes_launch_one_group_through_slurm(config, tmp_path, monkeypa
     assert cmd[-1] == ("exec accelerate launch --config_file=config/accelerate/ddp.yaml --num_processes=8 "
                        "--num_machines=2 --machine_rank=$SLURM_PROCID --main_process_ip=node-a "
                        "--main_process_port=29511 -m snaketrl.train job.json")
+    # CPUs: a SLURM task per machine; CI's one node holds both (.ci/slurm.sh runs this for real).
+    plan = distributed.plan({"processes": 1}, {"tasks": 2, "nodes": 1})
+    assert plan == distributed.Plan(1, 2)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(stdout="ci-node\n"))
+    cmd = distributed.slurm_command(plan, "job.json", "ddp.yaml", 29511)
+    assert cmd[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=1"]
+    assert "--main_process_ip=ci-node" in cmd[-1]
     monkeypatch.delenv("SLURM_JOB_NODELIST")
     run = _revalidated(config)["sft-qwen2-tiny"]
     with pytest.raises(SystemExit):

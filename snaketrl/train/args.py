@@ -129,15 +129,17 @@ def split_batch(trainer: str, args: dict, processes: int) -> tuple[dict, dict]:
     per_device, accumulation, per_device_eval = (args.get(key, defaults[key]) for key in (
         "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"))
     configured = per_device * accumulation
+    group_rows = None
     if accumulation % processes == 0:
         accumulation //= processes
     elif per_device % processes == 0:
         per_device //= processes
+        group_rows = per_device * processes  # one process's batch, dealt out: length-grouped as one (sampler.py)
     if per_device_eval % processes == 0:
         per_device_eval //= processes
     split = {**args, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
              "per_device_eval_batch_size": per_device_eval}
-    batch = {"processes": processes, "global_batch": per_device * processes * accumulation}
+    batch = {"processes": processes, "global_batch": per_device * processes * accumulation, "group_rows": group_rows}
     if batch["global_batch"] == configured:
         batch["note"] = (f"global batch {configured} as configured: {per_device} per process x {processes} "
                          f"processes x {accumulation} accumulation steps")

@@ -100,8 +100,13 @@ def job_gpus(resources) -> int:
 
 
 def job_machines(resources) -> int:
-    """Machines (nodes) one job spans: the SLURM plugin's `nodes` resource, else 1."""
-    return int(resources.get("nodes", 1) or 1)
+    """Machines one job spans: one per SLURM task of a CPU job (`tasks`: 2 tasks on one node stand for 2
+    machines), else one per node (`nodes`); 1 without either. (The SLURM plugin turns a GPU job's `tasks` into
+    --ntasks-per-gpu: GPU jobs count nodes.)"""
+    nodes = int(resources.get("nodes", 1) or 1)
+    if job_gpus(resources):
+        return nodes
+    return max(nodes, int(resources.get("tasks", 1) or 1))
 
 
 def rule_gpus(resources) -> int:
@@ -166,12 +171,14 @@ def slurm_command(p: Plan, job_file, config: str, port: int) -> list[str]:
     """A job across machines under SLURM: one `accelerate launch` per node of the job's allocation (a job step
     of one task per node: its SLURM_PROCID is the machine rank), meeting at the first node of the allocation
     (SLURM_JOB_NODELIST), where this job's own process runs."""
-    nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], check=True,
+    hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], check=True,
                            capture_output=True, text=True).stdout.split()
-    main = nodes[0]
-    launcher = " ".join(launch_command(p, job_file, config, machine_rank="$SLURM_PROCID", main_ip=main, port=port))
-    # --overlap: this job's own step (srun -n1 of the SLURM plugin) already holds the first node's CPUs.
-    return ["srun", "--overlap", f"--nodes={p.machines}", f"--ntasks={p.machines}", "--ntasks-per-node=1",
+    launcher = " ".join(launch_command(p, job_file, config, machine_rank="$SLURM_PROCID", main_ip=hosts[0],
+                                       port=port))
+    # --overlap: this job's own step (srun -n1 of the SLURM plugin) already holds the first node's CPUs. One
+    # task per node where the allocation has a node per machine (else tasks on one node stand for machines).
+    spread = ["--ntasks-per-node=1"] if len(hosts) >= p.machines else []
+    return ["srun", "--overlap", f"--nodes={min(len(hosts), p.machines)}", f"--ntasks={p.machines}", *spread,
             "--kill-on-bad-exit=1", "sh", "-c", f"exec {launcher}"]
 
 

@@ -168,7 +168,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     if batching.get("train_sampling_strategy") == "group_by_length":
         from snaketrl.train.sampler import with_grouped_sampler
 
-        trainer_cls = with_grouped_sampler(trainer_cls)
+        trainer_cls = with_grouped_sampler(trainer_cls, batch.get("group_rows"))
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
                           callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
@@ -203,12 +203,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     if dropped is not None:
         metrics["examples_dropped"] = dropped
     if world > 1:
-        import torch.distributed as dist
-
-        plugin = trainer.accelerator.state.deepspeed_plugin
-        metrics.update(processes=world, global_batch=batch["global_batch"], global_batch_note=batch["note"],
-                       distributed_type=str(trainer.accelerator.distributed_type.value), backend=dist.get_backend(),
-                       **({"zero_stage": plugin.zero_stage} if plugin is not None else {}))
+        metrics.update(group_metrics(trainer, batch))
     if spec.evaluates:
         metrics.update(trainer.evaluate())
         guard.check(metrics)
@@ -238,6 +233,17 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
     attempt.finish()
     return metrics
+
+
+def group_metrics(trainer, batch: dict) -> dict:
+    """How a launched run trained: its processes and global batch (args.split_batch), the accelerate mode, the
+    backend, DeepSpeed's ZeRO stage."""
+    import torch.distributed as dist
+
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return {"processes": batch["processes"], "global_batch": batch["global_batch"], "global_batch_note": batch["note"],
+            "distributed_type": str(trainer.accelerator.distributed_type.value), "backend": dist.get_backend(),
+            **({"zero_stage": plugin.zero_stage} if plugin is not None else {})}
 
 
 def gather_steps(steps: list[dict], world: int) -> list[dict]:
