@@ -26,6 +26,7 @@ shipped = partial(os.path.join, WORKFLOW_ROOT)
 from snaketrl.config import check, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import SnaketrlError
+from snaketrl.train.distributed import rule_gpus
 
 # A --configfile on the command line replaces the offline default instead of being merged
 # into it (merging would keep the default's tiny models and datasets beside the new ones).
@@ -41,7 +42,10 @@ if not workflow.overwrite_configfiles:
 
 try:
     validate(config, shipped("config/schema.yaml"))
-    RUNS = check(config, shipped)
+    # What the profile or command line gives the train rule (set-resources): GPUs or none decide which
+    # distributed modes and process counts can run.
+    TRAIN_GPUS = rule_gpus(workflow.resource_settings.overwrite_resources.get("train", {}))
+    RUNS = check(config, shipped, TRAIN_GPUS)
     EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"], shipped)
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:

@@ -38,6 +38,11 @@ def run_of(wildcards):
     return RUNS[wildcards.run]
 
 
+def train_threads(wildcards):
+    """A thread per CPU process of the run (`processes`); a profile's set-threads gives more, shared out."""
+    return run_of(wildcards).get("processes", 1)
+
+
 def base_of(run):
     """A run's starting model: its base model, or another run's merged model (`policy`)."""
     return paths.merged(run["policy"]) if run["policy"] else paths.model(run["model"])

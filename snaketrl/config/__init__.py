@@ -141,7 +141,7 @@ def with_model(ref: str, model: str, where: str) -> str:
     return ref.format(model=model)
 
 
-INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed")
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "processes")
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
 # still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
@@ -171,10 +171,11 @@ def check_generation_batch(trainer: str, args: dict, where: str) -> None:
                           f"divisible by num_generations={n_eval}; TRL needs whole groups")
 
 
-def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str, dict]:
+def check(config: dict, shipped: Callable[[str], str] | None = None, gpus: int = 0) -> dict[str, dict]:
     """Cross-reference checks; returns every run fully resolved (see resolve_run). Errors name the key path.
     `shipped(rel)`: the path of a file that ships with the workflow (the Snakefile's; without it, files of the
-    workflow are looked up from the working directory, as from the clone's root: see paths.from_config)."""
+    workflow are looked up from the working directory, as from the clone's root: see paths.from_config).
+    `gpus`: the train rule's GPU count from the profile's or command line's resources (distributed.rule_gpus)."""
     known = sorted(REGISTRY)
     for trainer in config["trainers"]:
         if trainer not in REGISTRY:
@@ -205,7 +206,7 @@ def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str
                 raise ConfigError(f"config: {written_at(config, name, run, key)}: unknown {key} '{run[key]}'"
                                   f"{close_match(run[key], config[pool])}; expected one of {sorted(config[pool])}")
         _check_run_rewards(config, runs, name, run, where)
-        distributed.check(config, name, run, where, shipped)
+        distributed.check(config, name, run, where, shipped, gpus)
         check_run_counts(config, name, run, trl_args(config, run))
         _check_run_batching(config, run, where)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
@@ -390,6 +391,8 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
         "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
         "distributed": run.get("distributed", distributed.DEFAULT),
+        # Only where it is more than 1: a one-process run's params (and resume fingerprint) stay as they were.
+        **({"processes": run["processes"]} if run.get("processes", 1) > 1 else {}),
         **({"sweep": run["sweep"], "swept": run["swept"]} if run.get("sweep") else {}),
     })
 

@@ -17,8 +17,10 @@ keeps beyond transformers' own files so that a resumed run ends exactly where an
   sampler that shuffles from its own generator (TRL's RepeatSampler), which a new trainer starts afresh.
 - A save that runs out of disk space ends the job with one line (`DiskFull`).
 
-Tests kill the job at named points: SNAKETRL_KILL_AT=<point>[:<step>] (`KILL_POINTS`) makes it SIGKILL itself
-there, so that each case is deterministic (tests/test_interruptions.py).
+Tests kill the job at named points: SNAKETRL_KILL_AT=<point>[:<step>][@<rank>] (`KILL_POINTS`) makes it SIGKILL
+itself there (with @<rank>, only that process of a launched job), so that each case is deterministic
+(tests/test_interruptions.py, tests/test_distributed_training.py). SNAKETRL_KILL_SIGNAL=SIGSTOP makes the process
+stop there instead, as a hung one would.
 """
 
 from __future__ import annotations
@@ -63,30 +65,47 @@ KILL_POINTS = {
 }
 
 
-def kill_point(name: str, step: int | None = None) -> None:
-    """SIGKILL this process if SNAKETRL_KILL_AT names this point (and this step, if it gives one): a test-only
-    switch that makes an interruption happen exactly here."""
+def _kill_at() -> tuple[str, str, str] | None:
+    """SNAKETRL_KILL_AT as (point, step, rank); the last two may be ''."""
     wanted = os.environ.get(KILL_ENV)
     if not wanted:
+        return None
+    rest, _, rank = wanted.partition("@")
+    point, _, at = rest.partition(":")
+    return point, at, rank
+
+
+def kill_point(name: str, step: int | None = None) -> None:
+    """SIGKILL this process (or send it SNAKETRL_KILL_SIGNAL) if SNAKETRL_KILL_AT names this point (and this
+    step, and this process's rank, where it gives them): a test-only switch that makes an interruption happen
+    exactly here."""
+    wanted = _kill_at()
+    if not wanted:
         return
-    point, _, at = wanted.partition(":")
-    if point == name and (not at or step is None or int(at) == step):
-        log.warning("%s=%s: killing this process at %s", KILL_ENV, wanted, name if step is None else f"{name} {step}")
+    point, at, rank = wanted
+    if point == name and (not at or step is None or int(at) == step) and (
+            not rank or int(rank) == int(os.environ.get("RANK", "0"))):
+        sig = signal.Signals[os.environ.get("SNAKETRL_KILL_SIGNAL", "SIGKILL")]
+        log.warning("%s=%s: %s this process at %s", KILL_ENV, os.environ[KILL_ENV],
+                    "killing" if sig == signal.SIGKILL else f"sending {sig.name} to",
+                    name if step is None else f"{name} {step}")
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stdout.flush()
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
 
 def check_kill_env() -> None:
-    wanted = os.environ.get(KILL_ENV)
+    wanted = _kill_at()
     if not wanted:
         return
-    point, _, at = wanted.partition(":")
-    if point not in KILL_POINTS or (at and not at.isdigit()):
-        raise SnaketrlError(f"{KILL_ENV}={wanted!r}: expected <point> or <point>:<step>, a point of "
-                            f"{', '.join(KILL_POINTS)}")
+    point, at, rank = wanted
+    if point not in KILL_POINTS or (at and not at.isdigit()) or (rank and not rank.isdigit()) or \
+            os.environ.get("SNAKETRL_KILL_SIGNAL", "SIGKILL") not in signal.Signals.__members__:
+        raise SnaketrlError(f"{KILL_ENV}={os.environ[KILL_ENV]!r}: expected <point>, <point>:<step> or either "
+                            f"with @<rank>, a point of {', '.join(KILL_POINTS)} (and SNAKETRL_KILL_SIGNAL a "
+                            f"signal's name)")
 
 
 def _step(folder: Path) -> int:

@@ -126,6 +126,15 @@ class PPOTrainer(TRLPPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # Launched, accelerate wraps TRL's policy-and-value model in DistributedDataParallel, and TRL reaches
+        # for `.policy` on the wrapped model (the reference pass, save_model; TRL issue 2375). The wrapper
+        # gets the names without registering the modules again (DeepSpeed's engine forwards them itself).
+        inner = self.accelerator.unwrap_model(self.model)
+        if inner is not self.model and not hasattr(self.model, "policy"):
+            for name in ("policy", "value_model", "config"):
+                object.__setattr__(self.model, name, getattr(inner, name))
+        # Read by transformers' _save on every rank but the writer; TRL's __init__ never runs Trainer's, which sets it.
+        self.is_distributed_loading_by_transformers = False
         self._training = False
         self._passes = ReplayableLoader(self.dataloader)
         # TRL samples when the loop's update count, which restarts at 1 on a resume, hits its period: it
@@ -159,10 +168,35 @@ class PPOTrainer(TRLPPOTrainer):
         if self.control.should_training_stop and self._training:
             raise _Stop  # TRL's loop never reads should_training_stop (snaketrl.train.guard sets it)
 
+    def _gathered(self, prefix: str) -> dict:
+        """The wrapped model's weights under `prefix` (policy. or value_model.), whole and as plain copies: DeepSpeed
+        keeps them as views into its flat buffers (ZeRO-2), which safetensors refuses to save, or sharded (ZeRO-3,
+        gathered here: every rank calls this)."""
+        state = self.accelerator.get_state_dict(self.model)
+        return {k[len(prefix):]: v.detach().clone().contiguous() for k, v in (state or {}).items()
+                if k.startswith(prefix)}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The policy's adapter. TRL's own save under DeepSpeed hands transformers the policy where it expects
+        DeepSpeed's engine (it reads the engine's config), and fails; the other cases are TRL's."""
+        if not self.is_deepspeed_enabled:
+            return super().save_model(output_dir, _internal_call)
+        policy = self._gathered("policy.")
+        if self.args.should_save:
+            self.accelerator.unwrap_model(self.model).policy.save_pretrained(output_dir or self.args.output_dir,
+                                                                             state_dict=policy)
+        return None
+
     def _save_checkpoint(self, model, trial) -> None:
         out = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         out.mkdir(parents=True, exist_ok=True)
-        if self.args.should_save:
+        if self.is_deepspeed_enabled:
+            from safetensors.torch import save_file
+
+            value = self._gathered("value_model.")
+            if self.args.should_save:
+                save_file(value, str(out / VALUE_MODEL))
+        elif self.args.should_save:
             from safetensors.torch import save_model
 
             save_model(self.accelerator.unwrap_model(self.model).value_model, str(out / VALUE_MODEL))

@@ -71,17 +71,37 @@ class TokenCounter(TrainerCallback):
             hook.remove()
         self._hooks = []
 
-    def summary(self) -> dict:
+    def summary(self, steps: list[dict] | None = None) -> dict:
         """token_efficiency (real / processed) and real tokens per second of training steps (evaluation,
         logging and checkpoints excluded), over every step counted; their FLOPs, seconds and peak memory
-        (snaketrl.train.cost.cost_summary) and the weights the FLOPs were counted with."""
-        real = sum(s["real"] for s in self.steps)
-        processed = sum(s["processed"] for s in self.steps)
-        seconds = sum(s["seconds"] for s in self.steps)
+        (snaketrl.train.cost.cost_summary) and the weights the FLOPs were counted with. `steps`: the records
+        to sum instead of this process's own (every process's, combine_ranks)."""
+        steps = self.steps if steps is None else steps
+        real = sum(s["real"] for s in steps)
+        processed = sum(s["processed"] for s in steps)
+        seconds = sum(s["seconds"] for s in steps)
         return {"real_tokens": real, "processed_tokens": processed,
                 "token_efficiency": real / processed if processed else None,
                 "real_tokens_per_second": real / seconds if seconds else None,
-                **cost_summary(self.steps), "flop_weights": self.flops.weights}
+                **cost_summary(steps), "flop_weights": self.flops.weights}
+
+
+# Per-step records of processes that trained together: counts and FLOPs add up, a step lasts as long as its
+# slowest process, and peak memory is the largest process's.
+LONGEST = ("seconds", "peak_rss_bytes", "cuda_peak_bytes")
+
+
+def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """The job's per-step records from each process's (snaketrl.train.run.gather_steps)."""
+    combined = []
+    for records in zip(*per_rank):
+        step = {"step": records[0]["step"]}
+        for key in records[0]:
+            if key != "step":
+                values = [r[key] for r in records if key in r]
+                step[key] = max(values) if key in LONGEST else sum(values)
+        combined.append(step)
+    return combined
 
 
 def _embeddings(model):
