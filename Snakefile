@@ -23,21 +23,31 @@ WORKFLOW_ROOT = os.fspath(workflow.current_basedir)
 shipped = partial(os.path.join, WORKFLOW_ROOT)
 
 # Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
-from snaketrl.config import check, validate
+from snaketrl.config import check, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import SnaketrlError
+from snaketrl.train.distributed import rule_gpus
 
 # A --configfile on the command line replaces the offline default instead of being merged
 # into it (merging would keep the default's tiny models and datasets beside the new ones).
 # As a module with `config: config`, Snakemake skips this: the user's workflow loads the config.
+# Snakemake's message for a YAML mistake names neither file nor line: find them first (a --configfile
+# is read before this file runs; docs/configuration.md says how to find its mistake).
 if not workflow.overwrite_configfiles:
+    if mistake := yaml_mistake(shipped("config/config.yaml")):
+        sys.exit(f"snaketrl: {mistake}")
 
     configfile: shipped("config/config.yaml")
 
 
 try:
     validate(config, shipped("config/schema.yaml"))
-    RUNS = check(config, shipped)
+    # What the profile or command line gives the train rule (set-resources): GPUs or none decide which
+    # distributed modes and process counts can run.
+    TRAIN_GPUS = rule_gpus(
+        workflow.resource_settings.overwrite_resources.get("train", {})
+    )
+    RUNS = check(config, shipped, TRAIN_GPUS)
     EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"], shipped)
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:

@@ -95,3 +95,12 @@ start=$(date +%s)
 echo "SLURM run: $(( $(date +%s) - start )) s"
 
 python3 "$repo/.ci/check_slurm_run.py" "$work/local" "$work/slurm" "$work/log/slurmctld.log"
+
+# One run across two machines: the SFT run again, its job given two SLURM tasks (on this one node they stand for
+# two nodes): one accelerate launcher per task, one gloo group.
+start=$(date +%s)
+(cd "$work/slurm" && timeout 900 snakemake --profile "$work/profile" --set-resources train:tasks=2 \
+  --forcerun results/runs/sft-qwen2-tiny/adapter -- results/runs/sft-qwen2-tiny/adapter \
+  > "$work/machines.log" 2>&1 || { tail -40 "$work/machines.log"; tail -60 "$work/slurm/results/logs/train/sft-qwen2-tiny.log"; exit 1; })
+echo "SLURM run across two machines: $(( $(date +%s) - start )) s"
+python3 "$repo/.ci/check_slurm_machines.py" "$work/local" "$work/slurm"

@@ -49,6 +49,14 @@ def run_of(wildcards):
     return RUNS[wildcards.run]
 
 
+def train_threads(wildcards):
+    """The model's threads (model_threads), at least one per CPU process of the run (`processes`): the job shares
+    them out among its processes (scripts/train.py), so N processes never run N times the threads.
+    """
+    run = run_of(wildcards)
+    return max(model_threads(run["model"]), run.get("processes", 1))
+
+
 def base_of(run):
     """A run's starting model: its base model, or another run's merged model (`policy`)."""
     return paths.merged(run["policy"]) if run["policy"] else paths.model(run["model"])

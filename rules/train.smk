@@ -13,7 +13,7 @@ rule train:
         paths.benchmark("train", "{run}")
     conda:
         "../envs/train.yaml"
-    threads: run_threads
+    threads: train_threads
     resources:
         mem_mb=per_attempt(8000),
         runtime=per_attempt(120),

@@ -1,11 +1,11 @@
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
+from snaketrl.errors import ConfigError
 from snaketrl.smk import logged
-from snaketrl.train.distributed import check_launcher, job_gpus, launch_command
-from snaketrl.train.run import launch_env, train_run
+from snaketrl.train import distributed
+from snaketrl.train.run import train_run
 
 with logged(snakemake):
     run = snakemake.params.run
@@ -13,15 +13,24 @@ with logged(snakemake):
                eval_file=snakemake.input.eval, lengths_file=snakemake.input.lengths,
                reward_dir=snakemake.input.get("reward_model"), out_dir=str(Path(snakemake.output.adapter).parent),
                checkpoint_dir=snakemake.params.checkpoints, threads=snakemake.threads)
-    gpus = job_gpus(snakemake.resources)
-    if gpus > 1:
-        # More than one GPU in this job: one process per GPU via accelerate, in the run's mode; same function.
-        check_launcher(run["distributed"], run["name"])
+    plan = distributed.plan(run, snakemake.resources)
+    if plan.launched:
+        # One process per GPU, or the run's processes on CPUs, as one group via accelerate; same function.
+        distributed.check_launcher(run["distributed"], run["name"], plan)
+        job["threads"] = max(1, snakemake.threads // plan.processes)
         job_file = Path(snakemake.params.checkpoints) / "launch_job.json"
         job_file.parent.mkdir(parents=True, exist_ok=True)
         job_file.write_text(json.dumps(job, default=str))
-        cmd = launch_command(gpus, job_file, snakemake.input.accelerate)
+        if plan.machines == 1:
+            cmd = distributed.launch_command(plan, job_file, snakemake.input.accelerate, port=distributed.free_port())
+        elif "SLURM_JOB_NODELIST" in os.environ:
+            cmd = distributed.slurm_command(plan, job_file, snakemake.input.accelerate, distributed.free_port())
+        else:
+            raise ConfigError(f"config: run '{run['name']}': nodes: {plan.machines} in the train rule's resources "
+                              f"launches one process group across SLURM nodes, and this job runs outside SLURM "
+                              f"(no SLURM_JOB_NODELIST); docs/cluster.md says how other engines launch one")
+        print(f"{run['name']}: {plan.describe()}", flush=True)
         print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, stdout=sys.stdout, stderr=sys.stderr, env=launch_env())  # into the log
+        distributed.run_launch(cmd, distributed.launch_env(plan, job["threads"], run["distributed"]), run["name"])
     else:
         print(train_run(**job))

@@ -13,13 +13,14 @@ from pathlib import Path
 
 
 @contextmanager
-def atomic(path, directory: bool = False):
+def atomic(path, directory: bool = False, tag: str | None = None):
     """Yield a temporary path beside `path` (a file, or a directory if `directory`); on success it
-    replaces `path`, on failure it is removed."""
+    replaces `path`, on failure it is removed. `tag` names the temporary path instead of this process's id
+    (processes that write into one, each knowing its name)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The suffix stays last: matplotlib and others choose the format from it.
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    tmp = path.with_name(f".{path.stem}.tmp{tag or os.getpid()}{path.suffix}")
     _remove(tmp)
     if directory:
         tmp.mkdir()

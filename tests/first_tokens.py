@@ -67,16 +67,18 @@ def config_for(model_name: str, model_entry: dict, trainer: str, steps: int) -> 
     config = {
         "models": {model_name: model_entry},
         "datasets": {dataset: {"files": "workflow:data/samples/tldr.jsonl"}},
-        "trainers": {trainer: {"dataset": dataset, **({"reward_funcs": ["accuracy"]} if trainer == "grpo" else {}),
+        # The trainer's own fields under its args: `training` applies to every trainer (PPO's rm run too).
+        "trainers": {trainer: {"dataset": dataset, "args": dict(ARGS[trainer]),
+                               **({"reward_funcs": ["accuracy"]} if trainer == "grpo" else {}),
                                **({"reward_model": "rm"} if trainer == "ppo" else {})},
                      **({"reward": {"dataset": dataset}} if trainer == "ppo" else {})},
         "training": {"max_steps": steps, "eval_strategy": "no", "save_strategy": "no", "logging_steps": 1,
-                     "report_to": "none", **ARGS[trainer]},
+                     "report_to": "none"},
         "runs": {"run": {"trainer": trainer, "model": model_name},
                  **({"rm": {"trainer": "reward", "model": model_name}} if trainer == "ppo" else {})},
     }
-    if trainer == "ppo":
-        config["training"]["total_episodes"] = steps
+    if trainer == "ppo":  # PPO counts episodes, not steps
+        config["trainers"]["ppo"]["args"]["total_episodes"] = steps
         del config["training"]["max_steps"]
     validate(config, str(ROOT / "config" / "schema.yaml"))
     return config

@@ -298,8 +298,9 @@ def test_impossible_batching_fails_at_parse_time(config, batching, message):
 
 def test_batching_fields_belong_to_the_length_stage(config):
     config["trainers"]["dpo"]["args"]["train_sampling_strategy"] = "group_by_length"
-    with pytest.raises(ConfigError, match=r"^config: matrix \(run dpo-qwen2-tiny\): 'train_sampling_strategy' is "
-                                          r"set by the length stage's batching choice; use length.batching"):
+    with pytest.raises(ConfigError, match=r"^config: trainers.dpo.args.train_sampling_strategy: set by the length "
+                                          r"stage's batching choice \(length.batching: auto, padded, grouped, "
+                                          r"packed\); remove it$"):
         check(config)
 
 

@@ -4,6 +4,7 @@ here, and no deepspeed: nothing below launches a process or needs either."""
 
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -164,7 +165,7 @@ class Named(dict):
 def run_train_script(tmp_path, run, resources, monkeypatch):
     """scripts/train.py with a stand-in `snakemake` object; `accelerate launch` is recorded, not run."""
     launches = []
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: launches.append(cmd))
+    monkeypatch.setattr(distributed, "run_launch", lambda cmd, env, run, err=None: launches.append((cmd, env)))
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the script turns the Hub offline
     smk = SimpleNamespace(
         rule="train", log=[str(tmp_path / "train.log")], threads=8, resources=Named(resources),
@@ -179,11 +180,15 @@ def run_train_script(tmp_path, run, resources, monkeypatch):
 def test_a_multi_gpu_job_launches_its_runs_mode(config, tmp_path, monkeypatch):
     config["trainers"]["sft"]["distributed"] = "fsdp"
     run = _revalidated(config)["sft-qwen2-tiny"]
-    [cmd] = run_train_script(tmp_path, run, {"gpu": 0, "gres": "gpu:a100:4"}, monkeypatch)
-    assert cmd[:4] == ["accelerate", "launch", "--config_file=config/accelerate/fsdp.yaml", "--num_processes=4"]
+    [(cmd, env)] = run_train_script(tmp_path, run, {"gpu": 0, "gres": "gpu:a100:4"}, monkeypatch)
+    assert cmd[:5] == ["accelerate", "launch", "--config_file=config/accelerate/fsdp.yaml", "--num_processes=4",
+                       "--num_machines=1"]
+    assert re.fullmatch(r"--main_process_port=\d+", cmd[5])  # a free one: two jobs on one node never meet
     job = json.loads((tmp_path / "ckpt" / "launch_job.json").read_text())
     assert cmd[-1] == str(tmp_path / "ckpt" / "launch_job.json")
-    assert job["run"] == run and job["out_dir"] == str(tmp_path / "run") and job["threads"] == 8
+    assert job["run"] == run and job["out_dir"] == str(tmp_path / "run")
+    assert job["threads"] == 2 and env["OMP_NUM_THREADS"] == "2"  # the job's 8 threads shared by 4 processes
+    assert "ACCELERATE_USE_CPU" not in env  # GPUs: nccl
 
 
 def test_deepspeed_missing_fails_at_job_start_in_one_line(config, tmp_path, monkeypatch, capfd):
@@ -222,3 +227,147 @@ def test_the_train_job_reads_its_modes_accelerate_config(tmp_path):
     # The workflow's own copy, by its absolute path: the same file from any working directory.
     assert str(wd / "config/accelerate/zero3.yaml") in inputs["run=sft-qwen2-tiny"]
     assert str(wd / "config/accelerate/ddp.yaml") in inputs["run=dpo-qwen2-tiny"]
+
+
+def test_a_cpu_job_launches_the_runs_processes_as_one_gloo_group(config, tmp_path, monkeypatch):
+    config["trainers"]["sft"]["processes"] = 2
+    run = _revalidated(config)["sft-qwen2-tiny"]
+    assert run["processes"] == 2 and "processes" not in _revalidated(config)["dpo-qwen2-tiny"]
+    [(cmd, env)] = run_train_script(tmp_path, run, {"gpu": 0}, monkeypatch)
+    assert cmd[3:5] == ["--num_processes=2", "--num_machines=1"]
+    assert env["ACCELERATE_USE_CPU"] == "true"  # else accelerate's GPU launcher: two runs that know nothing of each other
+    assert json.loads((tmp_path / "ckpt" / "launch_job.json").read_text())["threads"] == 4  # 8 threads, 2 processes
+    config["trainers"]["sft"]["distributed"] = "zero3"
+    [(cmd, env)] = run_train_script(tmp_path, _revalidated(config)["sft-qwen2-tiny"], {"gpu": 0}, monkeypatch)
+    assert "ACCELERATE_USE_CPU" not in env  # it would turn DeepSpeed off; DeepSpeed finds the CPU itself
+
+
+def test_one_process_trains_in_the_jobs_own_process(config, tmp_path, monkeypatch):
+    import snaketrl.train.run as run_module
+
+    trained = []
+    monkeypatch.setattr(run_module, "train_run", lambda **job: trained.append(job) or {})
+    run = _revalidated(config)["sft-qwen2-tiny"]
+    assert run_train_script(tmp_path, run, {"gpu": 1}, monkeypatch) == [] and len(trained) == 1
+    assert distributed.plan(run, {}) == distributed.Plan(1)
+
+
+def test_several_nodes_launch_one_group_through_slurm(config, tmp_path, monkeypatch):
+    """One `accelerate launch` per node in a job step of one task per node, meeting at the allocation's first
+    node; outside SLURM the job says what it needs."""
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return SimpleNamespace(stdout="node-a\nnode-b\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node-[a-b]")
+    plan = distributed.plan({"processes": 1}, {"gres": "gpu:a100:4", "nodes": 2})
+    assert plan == distributed.Plan(4, 2, gpu=True) and plan.world == 8
+    cmd = distributed.slurm_command(plan, "job.json", "config/accelerate/ddp.yaml", 29511)
+    assert calls == [["scontrol", "show", "hostnames", "node-[a-b]"]]
+    assert cmd[:7] == ["srun", "--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                       "sh"]
+    assert cmd[-1] == ("exec accelerate launch --config_file=config/accelerate/ddp.yaml --num_processes=8 "
+                       "--num_machines=2 --machine_rank=$SLURM_PROCID --main_process_ip=node-a "
+                       "--main_process_port=29511 -m snaketrl.train job.json")
+    # CPUs: a SLURM task per machine; CI's one node holds both (.ci/slurm.sh runs this for real).
+    plan = distributed.plan({"processes": 1}, {"tasks": 2, "nodes": 1})
+    assert plan == distributed.Plan(1, 2)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(stdout="ci-node\n"))
+    cmd = distributed.slurm_command(plan, "job.json", "ddp.yaml", 29511)
+    assert cmd[:5] == ["srun", "--overlap", "--nodes=1", "--ntasks=2", "--kill-on-bad-exit=1"]
+    assert "--main_process_ip=ci-node" in cmd[-1]
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    run = _revalidated(config)["sft-qwen2-tiny"]
+    with pytest.raises(SystemExit):
+        run_train_script(tmp_path, run, {"gpu": 2, "nodes": 2}, monkeypatch)
+    log = (tmp_path / "train.log").read_text()
+    assert ("nodes: 2 in the train rule's resources launches one process group across SLURM nodes, and this job "
+            "runs outside SLURM (no SLURM_JOB_NODELIST)") in log
+
+
+def test_modes_that_cannot_run_on_cpus_are_refused_at_parse_time(config):
+    config["trainers"]["sft"].update(processes=2, distributed="fsdp")
+    with pytest.raises(ConfigError, match=r"^config: trainers\.sft\.distributed: fsdp needs GPUs \(accelerate has no "
+                                          r"CPU route for FSDP\), and run 'sft-qwen2-tiny' trains in 2 CPU processes "
+                                          r"\(trainers\.sft\.processes: 2; the train rule's resources give no GPU\)"):
+        _revalidated(config)
+    validate(config, SCHEMA)
+    assert check(config, gpus=2)["sft-qwen2-tiny"]["distributed"] == "fsdp"  # the profile gives train 2 GPUs
+    config["trainers"]["sft"]["distributed"] = "zero3"
+    assert _revalidated(config)["sft-qwen2-tiny"]["processes"] == 2
+
+
+def test_a_process_count_that_contradicts_the_gpus_or_the_quantization_is_refused(config):
+    config["runs"]["sft-qwen2-tiny"] = {"processes": 2}
+    validate(config, SCHEMA)
+    with pytest.raises(ConfigError, match=r"^config: runs\.sft-qwen2-tiny\.processes: 2 sets a CPU job's process "
+                                          r"count; the train rule's resources give 4 GPU\(s\)"):
+        check(config, gpus=4)
+    config["models"]["qwen2-tiny"]["quantization"] = "4bit"
+    with pytest.raises(ConfigError, match=r"^config: runs\.sft-qwen2-tiny\.processes: run 'sft-qwen2-tiny' trains "
+                                          r"in 2 CPU processes .* models\.qwen2-tiny\.quantization: 4bit"):
+        check(config)
+
+
+@pytest.mark.parametrize("raw,gpus", [({}, 0), ({"gpu": 4}, 4), ({"gres": "'gpu:a100:2'"}, 2),
+                                      ({"gres": "gpu:2", "mem_mb": "2000 * attempt"}, 2)])
+def test_parse_time_reads_the_gpus_the_profile_gives_train(raw, gpus):
+    assert distributed.rule_gpus({k: SimpleNamespace(raw=v) for k, v in raw.items()}) == gpus
+
+
+@pytest.mark.parametrize("args,split", [
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}, (4, 1, "global batch 8 as configured")),
+    ({"per_device_train_batch_size": 4}, (2, 1, "global batch 4 as configured")),
+    ({"per_device_train_batch_size": 3}, (3, 1, "global batch 6, not the configured 3: neither"))])
+def test_the_configured_batch_stays_the_global_one(args, split):
+    from snaketrl.train.args import split_batch
+
+    per_process, batch = split_batch("sft", args, 2)
+    got = (per_process["per_device_train_batch_size"], per_process["gradient_accumulation_steps"], batch["note"])
+    assert got[:2] == split[:2] and got[2].startswith(split[2])
+    assert split_batch("sft", args, 1)[0] is args  # one process: the run's own args, untouched
+
+
+TORCHRUN = """Failures:
+[1]:
+  time      : 2026-11-25_10:40:48
+  host      : node-a
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 7861)  (SIGTERM)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_10:40:48
+  host      : node-a
+  rank      : {rank} (local_rank: 1)
+  exitcode  : {code} (pid: 7862)  ({name})
+"""
+
+
+def test_a_failed_launch_is_one_line_naming_the_rank_and_how_it_ended():
+    killed = TORCHRUN.format(rank=1, code=-9, name="SIGKILL")
+    assert distributed.failure_line("r", killed, 3.04, 1) == (
+        "run 'r': rank 1 (pid 7862 on node-a) was killed by SIGKILL; the launcher stopped the other ranks and the "
+        "job failed after 3.0 s")
+    failed = TORCHRUN.format(rank=1, code=1, name="") + "snaketrl: rank 1: config: bad value\n"
+    assert distributed.failure_line("r", failed, 2, 1).startswith(
+        "run 'r': rank 1 (pid 7862 on node-a) exited with code 1 (config: bad value); the launcher stopped")
+    # Across machines: the machine whose rank only lost its peer (exit 1) reports first; the killed one is named.
+    other = TORCHRUN.format(rank=0, code=1, name="").replace("node-a", "node-b")
+    assert " rank 1 (pid 7862 on node-a) was killed by SIGKILL" in distributed.failure_line("r", other + killed, 2, 1)
+    assert distributed.failure_line("r", "", 0.5, 2) == "run 'r': the launcher exited with code 2 after 0.5 s"
+
+
+def test_kill_points_may_name_a_rank_and_a_signal(monkeypatch):
+    from snaketrl.errors import SnaketrlError
+    from snaketrl.train.checkpoints import check_kill_env
+
+    monkeypatch.setenv("SNAKETRL_KILL_AT", "mid_step:3@1")
+    monkeypatch.setenv("SNAKETRL_KILL_SIGNAL", "SIGSTOP")
+    check_kill_env()
+    monkeypatch.setenv("SNAKETRL_KILL_AT", "mid_step:3@one")
+    with pytest.raises(SnaketrlError, match=r"expected <point>, <point>:<step> or either with @<rank>"):
+        check_kill_env()

@@ -105,13 +105,13 @@ def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_
 
 
 def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
-    """config/smollm2.yaml offline: its 44 jobs planned (the wheel is only fetched when download_model runs); its
+    """config/smollm2.yaml offline: its 45 jobs planned (the wheel is only fetched when download_model runs); its
     train, evaluate and merge jobs take all of --cores (2), models.<name>.threads lowers that, and the default's
     tiny models keep one thread."""
     wd = copy_project(tmp_path / "wf")
     counts = job_counts(wd, "--configfile", "config/smollm2.yaml")
-    assert counts == {"download_model": 1, "get_dataset": 4, "preprocess": 5, "length_histogram": 5,
-                      "tokenize_prompts": 1, "train": 8, "merge": 1, "plot_run": 8, "evaluate": 8,
+    assert counts == {"download_model": 1, "get_dataset": 3, "preprocess": 5, "length_histogram": 5,
+                      "tokenize_prompts": 1, "train": 8, "merge": 3, "plot_run": 8, "evaluate": 8,
                       "collect_evaluation": 1, "report": 1, "all": 1}
 
     def threads(*args):
@@ -127,3 +127,31 @@ def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
     (wd / "one.yaml").write_text(yaml.safe_dump(cfg))
     assert threads("--configfile", "one.yaml") == [("evaluate", 1), ("merge", 1), ("train", 1)]
     assert threads() == [("evaluate", 1), ("merge", 1), ("pretrain", 1), ("train", 1)]
+
+
+def test_processes_share_the_threads(tmp_path):
+    """A CPU run of N processes asks for the model's threads, at least N, and its job shares them out: a tiny
+    model's run of 2 processes takes 2 threads (one each, as before), a real model's the --cores (4) it is given,
+    2 for each of its 2 processes, not 4 each."""
+    wd = copy_project(tmp_path / "wf")
+
+    def train_threads(config, cores):
+        (wd / "c.yaml").write_text(yaml.safe_dump(config))
+        proc = snakemake(wd, "-n", "--forceall", "--configfile", "c.yaml", "--cores", str(cores), timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        jobs = re.findall(r"(?ms)^rule train:\n(.*?)(?=^\[|\Z)", proc.stdout)
+        return {re.search(r"wildcards: run=(\S+)", b)[1]: int(re.search(r"threads: (\d+)", b)[1]) for b in jobs
+                if "threads:" in b}
+
+    tiny = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    tiny["trainers"]["sft"]["processes"] = 2
+    threads = train_threads(tiny, 2)
+    assert threads == {"sft-pythia-tiny": 2, "sft-qwen2-tiny": 2}  # the others take 1 (not printed)
+    real = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
+    real["trainers"]["sft"]["processes"] = 2
+    threads = train_threads(real, 4)
+    assert {r: t for r, t in threads.items() if r.startswith("sft-")} == {"sft-smollm2-seed1": 4,
+                                                                          "sft-smollm2-seed2": 4}
+    real["models"]["smollm2"]["threads"] = 1
+    assert {r: t for r, t in train_threads(real, 4).items() if r.startswith("sft-")} == {"sft-smollm2-seed1": 2,
+                                                                                           "sft-smollm2-seed2": 2}

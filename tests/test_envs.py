@@ -232,15 +232,16 @@ def test_scripts_find_the_package_through_a_relative_link():
         assert entry.startswith("120000 "), "scripts/snaketrl must be committed as a symlink"
 
 
-def test_multi_gpu_children_find_the_package_without_the_preamble(monkeypatch):
+def test_launched_children_find_the_package_without_the_preamble(monkeypatch):
     import snaketrl
-    from snaketrl.train.run import launch_env
+    from snaketrl.train.distributed import Plan, launch_env
 
+    gpus = Plan(2, gpu=True)
     home = str(Path(snaketrl.__file__).resolve().parents[1])
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != home])
-    assert launch_env({"PYTHONPATH": "/elsewhere"})["PYTHONPATH"] == os.pathsep.join([home, "/elsewhere"])
+    assert launch_env(gpus, 1, "ddp", {"PYTHONPATH": "/elsewhere"})["PYTHONPATH"] == os.pathsep.join([home, "/elsewhere"])
     monkeypatch.setattr(sys, "path", [home, *sys.path])
-    assert launch_env({}) == {}
+    assert launch_env(gpus, 1, "ddp", {}) == {"OMP_NUM_THREADS": "1"}
 
 
 def _preamble(script: Path, shim: Path) -> str:

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import re
 import struct
 
 import pytest
@@ -96,12 +95,15 @@ def test_evaluation_runs_may_name_a_swept_run(config):
     ({"sft": {"max_length": [64]}}, "config: sweeps.sft.max_length: set by the length histogram (tune "
                                     "length.keep_share), it cannot be swept"),
     ({"kto": {"beta": [0.1]}}, "config: sweeps.kto: no run trains 'kto' (add it to matrix.trainers or runs)"),
+    ({"dpo": {"run_name": ["my run"]}}, "config: sweeps.dpo.run_name: value 'my run' cannot be part of a run name"),
     ({"dpo": {"lr_scheduler_type": ["cosine restarts"]}},
-     "config: sweeps.dpo.lr_scheduler_type: value 'cosine restarts' cannot be part of a run name"),
+     "config: sweeps.dpo.lr_scheduler_type: expected one of 'linear', 'cosine', 'cosine_with_restarts', "),
+    ({"dpo": {"per_device_train_batch_size": [4, 0]}},
+     "config: sweeps.dpo.per_device_train_batch_size: expected an integer >= 1, got 0"),
     ({"dpo": {"beta": [0.1, "0.1"]}}, "config: sweeps.dpo: two runs would both be named 'dpo-qwen2-tiny-beta~0.1'"),
     ({"dpo": {"beta": 0.1}}, "config: sweeps.dpo.beta: 0.1 is not of type 'array'"),
     ({"grpo": {"num_generations": [4, 3]}},
-     "config: sweeps.grpo (run grpo-qwen2-tiny-num_generations~3): generation batch 8 "),
+     "config: sweeps.grpo (run grpo-qwen2-tiny-num_generations~3): generation batch 16 "),
 ])
 def test_bad_sweep_is_one_line_at_parse_time(config, sweeps, message):
     with pytest.raises(ConfigError) as err:
@@ -187,15 +189,16 @@ def test_sweep_table_and_plot_read_the_yardstick_per_combination():
     runs, states, metrics = sweep_runs()
     dpo, reward = sweep_sections(runs, states, metrics)
     assert (dpo["name"], dpo["metric"], dpo["source"], dpo["combinations"]) == ("dpo-a", "rm_judge", "evaluation", 4)
-    body = dpo["table"][dpo["table"].index("<tbody>"):]
-    rows = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+    rows = [[c["text"] for c in row] for row in dpo["table"]["rows"]]
     assert rows == [
-        ["0.1", "0.001", "2 ± 0", "2"], ["0.1", "0.01", "2 ± 1.4", "2"],
-        ["0.5", "0.001", "1 ± 0.71", "2"], ["0.5", "0.01", "<b>4 ± 0</b>", "2"]]
+        ["0.1", "0.001", "2.00 ± 0.00", "2"], ["0.1", "0.01", "2.00 ± 1.41", "2"],
+        ["0.5", "0.001", "1.00 ± 0.71", "2"], ["0.5", "0.01", "4.00 ± 0.00", "2"]]
+    assert [c["bold"] for c in dpo["table"]["rows"][3]] == [False, False, True, False]
     # One panel per swept key, 4 in wide each at 90 dpi.
     assert png_size(base64.b64decode(dpo["png"].split(",", 1)[1]))[0] == 2 * 4 * 90
     assert (reward["metric"], reward["source"]) == ("accuracy", "training log (last value)")
-    assert "<td>0.75</td>" in reward["table"] and "<b>" not in reward["table"]  # no "better" known: no best
+    cells = [c for row in reward["table"]["rows"] for c in row]
+    assert "0.750" in {c["text"] for c in cells} and not any(c["bold"] for c in cells)  # no "better" known: no best
     assert png_size(base64.b64decode(reward["png"].split(",", 1)[1]))[0] == 4 * 90
 
 
@@ -219,6 +222,6 @@ def test_report_renders_the_sweep_section(tmp_path, monkeypatch):
                   groups={n: r["group"] for n, r in runs.items()})
     section = html[html.index("<h2>Sweeps"):html.index("<h2>Summary of training")]
     assert 'id="sweep-dpo-a"' in section and "<b>rm_judge</b> (evaluation)" in section
-    assert "<b>4 ± 0</b>" in section and section.count('src="data:image/png;base64,') == 1
+    assert "<b>4.00 ± 0.00</b>" in section and section.count('src="data:image/png;base64,') == 1
     plain = {n: {k: v for k, v in r.items() if k not in ("sweep", "swept")} for n, r in runs.items()}
     assert sweep_sections(plain, {}, metrics) == []  # no sweep: no section

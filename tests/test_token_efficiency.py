@@ -43,6 +43,15 @@ def test_sft_counts_every_token_trl_counts_and_drops_what_the_histogram_counted(
     assert 0.8 < metrics["token_efficiency"] < 1 and metrics["real_tokens_per_second"] > 0
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["token_efficiency"] == metrics["token_efficiency"]
     assert metrics["examples_dropped"] == stats["dropped"]
+    # Its cost (snaketrl.train.cost): every FLOP trained, none forward-only; at least 4·N + 2·N_lora per padded
+    # token (forward, activations' and LoRA's gradients), the head and attention on top; one record per step.
+    weights = metrics["flop_weights"]["policy"]
+    assert metrics["flops_forward_only"] == 0 and metrics["flops"] == metrics["flops_trained"]
+    floor = (4 * weights["weights"] + 2 * weights["trainable"]) * metrics["processed_tokens"]
+    attention = 3 * 4 * weights["layers"] * weights["attention_width"] * stats["max_length"]  # keys ≤ max_length
+    assert floor < metrics["flops"] < floor + (4 * weights["head_weights"] + attention) * metrics["processed_tokens"]
+    assert metrics["cost_by_step"]["step"] == [1, 2, 3, 4] and metrics["cost_by_step"]["flops"][-1] == metrics["flops"]
+    assert metrics["peak_rss_bytes"] > 100 * 2**20 and metrics["train_seconds"] > 0
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["trl_args"]["train_sampling_strategy"] == "group_by_length"
 

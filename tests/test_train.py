@@ -145,3 +145,16 @@ def test_sft_loss_falls_on_learnable_toy(sft_inputs, tmp_path):
     state = json.loads((tmp_path / "o" / "trainer_state.json").read_text())
     learning.check("sft toy", learning.UNIT["test_sft_loss_falls_on_learnable_toy"], state, metrics,
                    sft_inputs["run"]["seed"])
+
+
+def test_a_run_that_makes_no_optimizer_step_fails_and_writes_nothing(sft_inputs, tmp_path):
+    from snaketrl.errors import TrainingError
+
+    # Not from a checked config (the parse refuses these): whatever leads to zero steps is caught in the job.
+    sft_inputs["run"]["args"].update({"num_train_epochs": -1, "max_steps": -1})
+    with pytest.raises(TrainingError, match=r"^run 'sft-qwen2-tiny': training ended after 0 optimizer steps \(40 "
+                                            r"training examples; per_device_train_batch_size 8, "
+                                            r"gradient_accumulation_steps 1, num_train_epochs -1, max_steps -1\); "
+                                            r"nothing was written$"):
+        train_run(**sft_inputs, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
+    assert not (tmp_path / "o").exists()

@@ -8,17 +8,20 @@ from __future__ import annotations
 import copy
 import os
 import re
+import string
 from collections.abc import Callable
 from pathlib import Path
 
 from snaketrl import paths
+from snaketrl.config.args import check_run_counts, checked
 from snaketrl.config.sweeps import with_sweeps
-from snaketrl.errors import ConfigError
+from snaketrl.errors import ConfigError, close_match, closest, did_you_mean
 from snaketrl.models.gguf import check_source
 from snaketrl.rewards import BUILTINS
 from snaketrl.train import distributed
 from snaketrl.train.args import check_switches
-from snaketrl.trainers import BATCHING_FIELDS, REGISTRY
+from snaketrl.train.fields import module_source, top_level_names
+from snaketrl.trainers import REGISTRY
 
 
 def validate(config: dict, schema_path: str) -> None:
@@ -38,6 +41,8 @@ def validate(config: dict, schema_path: str) -> None:
         if best is None:
             raise
         path = ".".join(str(p) for p in best.absolute_path) or "(top level)"
+        if best.validator == "additionalProperties" and isinstance(best.instance, dict):
+            raise ConfigError(unknown_key(best.absolute_path, best.instance, best.schema)) from None
         if best.validator == "oneOf" and all("required" in alt for alt in best.validator_value):
             names = [f"'{alt['required'][0]}'" for alt in best.validator_value]
             expected = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
@@ -45,6 +50,54 @@ def validate(config: dict, schema_path: str) -> None:
         else:
             message = best.message
         raise ConfigError(f"config: {path}: {message}") from None
+
+
+# Keys of a model's loading in other tools (transformers, bitsandbytes) and what does it here.
+BNB = "use quantization: 4bit (the workflow sets bitsandbytes' nf4 with double quantization)"
+MODEL_LOADING = {"load_in_4bit": BNB, "bnb_4bit_": BNB, "load_in_8bit": "use quantization: 8bit",
+                 "quantization_config": "use quantization: 4bit or 8bit",
+                 "torch_dtype": "the workflow loads weights in the hardware's dtype (bf16 on a bf16 GPU, else fp32)",
+                 "dtype": "the workflow loads weights in the hardware's dtype (bf16 on a bf16 GPU, else fp32)"}
+
+
+def unknown_key(at, instance: dict, schema: dict) -> str:
+    """The message for a key the schema does not allow: the key path, and the key meant (a did-you-mean among
+    the object's own keys, or what does here what another tool's key does)."""
+    allowed = list(schema.get("properties", {}))
+    key = next(str(k) for k in instance if k not in allowed)
+    path = ".".join([*(str(p) for p in at), key])
+    hint = next((v for k, v in MODEL_LOADING.items() if key == k or (k.endswith("_") and key.startswith(k))), None)
+    if hint and "quantization" in allowed:  # a model entry
+        return f"config: {path}: unknown key; {hint}"
+    return f"config: {path}: unknown key{did_you_mean(key, allowed) or f'; expected one of {sorted(allowed)}'}"
+
+
+def yaml_mistake(path: str) -> str | None:
+    """A YAML mistake in a config file as one line naming the file, line and column (Snakemake's own message
+    names neither), or None when the file reads. libyaml reads a good file in a millisecond; a bad one is
+    read again by PyYAML's own parser, whose messages say more."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        return None
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        pass
+    try:
+        with open(path, encoding="utf-8") as f:
+            yaml.safe_load(f)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        start = err.context_mark
+        context = (f" ({err.context} that started at line {start.line + 1})" if err.context and start and mark
+                   and start.line != mark.line else "")
+        hint = "; YAML indents with spaces, never tabs" if "\\t" in str(err.problem) else ""
+        return f"config: {path}{where}: {err.problem}{context}{hint}"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        return f"config: {path}: {err}"
+    return None
 
 
 def expand_runs(config: dict) -> dict[str, dict]:
@@ -58,21 +111,39 @@ def expand_runs(config: dict) -> dict[str, dict]:
         run = runs.setdefault(name, {"args": {}})
         run.update({k: copy.deepcopy(v) for k, v in entry.items() if k != "args"})
         run["args"] = {**run.get("args", {}), **entry.get("args", {})}
+    matrix_runs = [f"{t}-{m}" for t in matrix.get("trainers", []) for m in matrix.get("models", [])]
     for name, run in runs.items():
         for key in ("trainer", "model"):
             if key not in run:
-                raise ConfigError(f"config: runs.{name}: missing '{key}' (not a matrix run, so it must name one)")
+                near = closest(name, matrix_runs)
+                hint = f"; did you mean the matrix run '{near}'?" if near else ""
+                raise ConfigError(f"config: runs.{name}: missing '{key}' (not a matrix run, so it must name one)"
+                                  f"{hint}")
         defaults = config["trainers"].get(run["trainer"], {})
         for key in INHERITED:
             if key not in run and key in defaults:
                 run[key] = copy.deepcopy(defaults[key])
         for key in ("reward_model", "policy"):
             if run.get(key):
-                run[key] = run[key].format(model=run["model"])
+                run[key] = with_model(run[key], run["model"], written_at(config, name, run, key))
     return runs
 
 
-INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "eval_rows")
+def with_model(ref: str, model: str, where: str) -> str:
+    """A run reference with `{model}` (the run's model) filled in; any other placeholder is an error."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(ref) if f is not None]
+    except ValueError as err:  # an unclosed or stray brace
+        raise ConfigError(f"config: {where}: {ref!r}: {err}; the only placeholder is {{model}} (the run's "
+                          f"model)") from None
+    wrong = [f for f in fields if f != "model"]
+    if wrong:
+        raise ConfigError(f"config: {where}: {ref!r}: unknown placeholder {{{wrong[0]}}}; the only one is {{model}} "
+                          f"(the run's model)")
+    return ref.format(model=model)
+
+
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "processes", "eval_rows")
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
 # still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
@@ -102,10 +173,11 @@ def check_generation_batch(trainer: str, args: dict, where: str) -> None:
                           f"divisible by num_generations={n_eval}; TRL needs whole groups")
 
 
-def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str, dict]:
+def check(config: dict, shipped: Callable[[str], str] | None = None, gpus: int = 0) -> dict[str, dict]:
     """Cross-reference checks; returns every run fully resolved (see resolve_run). Errors name the key path.
     `shipped(rel)`: the path of a file that ships with the workflow (the Snakefile's; without it, files of the
-    workflow are looked up from the working directory, as from the clone's root: see paths.from_config)."""
+    workflow are looked up from the working directory, as from the clone's root: see paths.from_config).
+    `gpus`: the train rule's GPU count from the profile's or command line's resources (distributed.rule_gpus)."""
     known = sorted(REGISTRY)
     for trainer in config["trainers"]:
         if trainer not in REGISTRY:
@@ -117,7 +189,8 @@ def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str
     runs = expand_runs(config)
     if not runs:
         raise ConfigError("config: no runs: set matrix.trainers and matrix.models, or add entries to runs")
-    runs = with_sweeps(config, runs)
+    config = checked(config, runs)  # TRL and LoRA fields, where they are written; values as the jobs take them
+    runs = with_sweeps(config, expand_runs(config))
     for name, run in runs.items():
         where = f"runs.{name}" if name in config.get("runs", {}) else f"matrix (run {name})"
         if run.get("sweep"):
@@ -125,20 +198,18 @@ def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.~+-]*", name):  # '~' and '+': swept values (snaketrl.config.sweeps)
             raise ConfigError(f"config: {where}: run name may hold only letters, digits, '_', '.', '~', '+', '-'")
         if run["trainer"] not in REGISTRY:
-            raise ConfigError(f"config: {where}.trainer: unknown trainer '{run['trainer']}'; expected one of {known}")
+            raise ConfigError(f"config: {written_at(config, name, run, 'trainer')}: unknown trainer "
+                              f"'{run['trainer']}'{close_match(run['trainer'], known)}; expected one of {known}")
         if run["trainer"] not in config["trainers"]:
-            raise ConfigError(f"config: {where}.trainer: trainer '{run['trainer']}' has no entry under trainers "
-                              f"(it needs at least its dataset)")
+            raise ConfigError(f"config: {written_at(config, name, run, 'trainer')}: trainer '{run['trainer']}' has "
+                              f"no entry under trainers (it needs at least its dataset)")
         for key, pool in (("model", "models"), ("dataset", "datasets")):
             if run[key] not in config[pool]:
-                raise ConfigError(f"config: {where}.{key}: unknown {key} '{run[key]}'; "
-                                  f"expected one of {sorted(config[pool])}")
+                raise ConfigError(f"config: {written_at(config, name, run, key)}: unknown {key} '{run[key]}'"
+                                  f"{close_match(run[key], config[pool])}; expected one of {sorted(config[pool])}")
         _check_run_rewards(config, runs, name, run, where)
-        distributed.check(config, name, run, where, shipped)
-        for key in trl_args(config, run):
-            if key.endswith("_token") and key.startswith(("hub", "push_to_hub")):  # a secret would reach manifests
-                raise ConfigError(f"config: {where}: '{key}': secrets do not belong in config; set HF_TOKEN "
-                                  f"in the environment")
+        distributed.check(config, name, run, where, shipped, gpus)
+        check_run_counts(config, name, run, trl_args(config, run))
         _check_run_batching(config, run, where)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
     for name, model in config["models"].items():
@@ -150,6 +221,17 @@ def check(config: dict, shipped: Callable[[str], str] | None = None) -> dict[str
     _check_batching(config, {run["trainer"] for run in runs.values()})
     _check_local_files(config, runs, shipped)
     return {name: resolve_run(config, name, run) for name, run in with_seeds(config, runs).items()}
+
+
+def written_at(config: dict, name: str, run: dict, key: str) -> str:
+    """The key path where a run's `key` is written: its `runs` entry (a swept run's: its un-swept run's), the
+    matrix (trainer, model), or its trainer's entry (dataset, reward_funcs, policy, ...)."""
+    base = run.get("sweep") or name
+    if key in (config.get("runs") or {}).get(base, {}):
+        return f"runs.{base}.{key}"
+    if key in ("trainer", "model"):
+        return f"matrix.{key}s"
+    return f"trainers.{run['trainer']}.{key}"
 
 
 def batching_of(config: dict, trainer: str) -> str:
@@ -175,12 +257,9 @@ def _check_batching(config: dict, trainers: set[str]) -> None:
 
 
 def _check_run_batching(config: dict, run: dict, where: str) -> None:
-    """The batching fields belong to length.batching; padding_free works only where TRL applies it."""
+    """padding_free works only where TRL applies it (the batching fields themselves are the length stage's:
+    snaketrl.config.args refuses them where they are written)."""
     args = trl_args(config, run)
-    for key in BATCHING_FIELDS:
-        if key in args:
-            raise ConfigError(f"config: {where}: '{key}' is set by the length stage's batching choice; use "
-                              f"length.batching (auto, padded, grouped, packed) instead")
     if args.get("padding_free"):
         if run["trainer"] != "sft":
             raise ConfigError(f"config: {where}: padding_free: TRL 1.12 applies it only in SFT (its DPO falls back "
@@ -212,20 +291,42 @@ def with_seeds(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
 
 
 def _check_local_files(config: dict, runs: dict, shipped=None) -> None:
-    """Local data and corpus files of what the runs use must exist: say so now, not in a job."""
+    """Local files and directories of what the runs use (their models and datasets, the datasets a tiny model's
+    corpus or the evaluation reads) must exist: say so now, not in a job."""
     used_models = {run["model"] for run in runs.values()}
-    used_datasets = {run["dataset"] for run in runs.values()}
-    for name in sorted(used_datasets):
-        for split, path in _written_files(config["datasets"][name]).items():
+    used_datasets = {run["dataset"] for run in runs.values()} | set(_evaluation_datasets(config))
+    for name in sorted(used_models):
+        if "tiny" in config["models"][name]:
+            used_datasets |= {c for c in config["models"][name]["tiny"]["corpus"] if c in config["datasets"]}
+    for name in sorted(used_datasets & set(config["datasets"])):
+        entry = config["datasets"][name]
+        for split, path in _written_files(entry).items():
             if not Path(paths.from_config(path, shipped)).is_file():
                 raise ConfigError(f"config: datasets.{name}.files: {split} file {path} does not exist"
                                   f"{_where_looked(path, shipped)}")
+        _check_local_hub(entry, f"datasets.{name}.hub")
     for name in sorted(used_models):
         if "tiny" in config["models"][name]:
             corpus_files(config, name, shipped)
         path = config["models"][name].get("gguf", {}).get("path")
         if path and not Path(paths.from_config(path, shipped)).is_file():
             raise ConfigError(f"config: models.{name}.gguf.path: {path} does not exist{_where_looked(path, shipped)}")
+        _check_local_hub(config["models"][name], f"models.{name}.hub")
+
+
+def _evaluation_datasets(config: dict) -> list[str]:
+    ev = config.get("evaluation") or {}
+    return [d if isinstance(d, str) else d.get("dataset") for d in (ev.get(k) for k in ("prompts", "references",
+                                                                                         "pairs")) if d]
+
+
+def _check_local_hub(entry: dict, where: str) -> None:
+    """A `hub:` written as a local path (absolute, ./, ../, ~) names a directory, not a Hub id: it must exist."""
+    repo = entry.get("hub")
+    if repo and repo.startswith(("/", "./", "../", "~")) and not Path(repo).expanduser().is_dir():
+        relative = f", read from the working directory {os.getcwd()}" if repo.startswith(".") else ""
+        raise ConfigError(f"config: {where}: local directory {repo} does not exist{relative} (a Hub id is written "
+                          f"org/name)")
 
 
 def _where_looked(path: str, shipped) -> str:
@@ -331,6 +432,8 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
         "policy": run.get("policy"), "seed": run.get("seed", config["seed"]), "group": run.get("group", name),
         "distributed": run.get("distributed", distributed.DEFAULT),
+        # Only where it is more than 1: a one-process run's params (and resume fingerprint) stay as they were.
+        **({"processes": run["processes"]} if run.get("processes", 1) > 1 else {}),
         **({"sweep": run["sweep"], "swept": run["swept"]} if run.get("sweep") else {}),
         # Absent where false or unset, so the runs of configs without them keep their params (and results).
         **({"chat": True} if chat_prompts(config["models"][run["model"]], config["datasets"][run["dataset"]]) else {}),
@@ -340,26 +443,28 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
 
 def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: str) -> None:
     spec = REGISTRY[run["trainer"]]
-    for key, trainer in (("reward_model", "reward"), ("policy", None)):
+    for key, kind in (("reward_model", "reward model runs"), ("policy", "language-model runs")):
         ref = run.get(key)
         if not ref:
             continue
+        # Only runs of the right kind are suggested: a policy trains a language model, a reward model is one.
+        fits = sorted(n for n, r in runs.items() if (r["trainer"] == "reward") == (key == "reward_model"))
+        at = f"{written_at(config, name, run, key)} (run {name})"
         if ref not in runs:
-            raise ConfigError(f"config: {where}.{key}: no run named '{ref}'; runs are {sorted(runs)}")
-        if trainer and runs[ref]["trainer"] != trainer:
-            raise ConfigError(f"config: {where}.{key}: run '{ref}' trains '{runs[ref]['trainer']}', not a reward model")
+            raise ConfigError(f"config: {at}: no run named '{ref}'{close_match(ref, fits)}; {kind} are {fits}")
+        if key == "reward_model" and runs[ref]["trainer"] != "reward":
+            raise ConfigError(f"config: {at}: run '{ref}' trains '{runs[ref]['trainer']}', not a reward model")
     if spec.value_model and not run.get("reward_model"):
         raise ConfigError(f"config: {where}: ppo needs a reward_model (a run of the reward trainer, e.g. "
                           f"'reward-{{model}}')")
     if spec.reward_funcs and not (run.get("reward_funcs") or run.get("reward_model")):
         raise ConfigError(f"config: {where}: {run['trainer']} needs reward_funcs or a reward_model")
     if not spec.reward_funcs and run.get("reward_funcs"):
-        raise ConfigError(f"config: {where}.reward_funcs: trainer '{run['trainer']}' takes no reward functions")
+        raise ConfigError(f"config: {written_at(config, name, run, 'reward_funcs')}: trainer '{run['trainer']}' "
+                          f"takes no reward functions")
     for entry in run.get("reward_funcs", []):
-        fname = entry if isinstance(entry, str) else entry["function"]
-        if ":" not in fname and fname not in BUILTINS:
-            raise ConfigError(f"config: {where}.reward_funcs: unknown reward function '{fname}'; expected one of "
-                              f"{sorted(BUILTINS)} or 'package.module:function'")
+        check_reward_func(entry if isinstance(entry, str) else entry["function"],
+                          written_at(config, name, run, "reward_funcs"))
     if spec.generation_check:
         check_generation_batch(run["trainer"], trl_args(config, run), where)
 
@@ -371,3 +476,22 @@ def trl_args(config: dict, run: dict) -> dict:
 
 def lora_args(config: dict, model: str) -> dict:
     return {**config.get("lora", {}), **config["models"][model].get("lora", {})}
+
+
+def check_reward_func(name: str, where: str) -> None:
+    """A reward function's name: a built-in, or `package.module:function` whose module exists (found as the
+    import system finds it, not run: a user's module may import torch) and defines the function."""
+    if ":" not in name:
+        if name not in BUILTINS:
+            raise ConfigError(f"config: {where}: unknown reward function '{name}'{close_match(name, BUILTINS)}; "
+                              f"expected one of {sorted(BUILTINS)} or 'package.module:function'")
+        return
+    module, _, func = name.partition(":")
+    found = module_source(module)
+    if found is None:
+        raise ConfigError(f"config: {where}: '{name}': no module '{module}' on the Python path (install it, or "
+                          f"put its directory on PYTHONPATH)")
+    names = top_level_names(found[1])
+    if names is not None and func not in names:
+        raise ConfigError(f"config: {where}: '{name}': module '{module}' ({found[0]}) defines no '{func}'"
+                          f"{did_you_mean(func, names)}")

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from snaketrl import paths
-from snaketrl.config import chat_model, chat_prompts
+from snaketrl.config import chat_model, chat_prompts, check_reward_func
 from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
 from snaketrl.evaluate.kinds import KINDS, reward_func_name, score_name
-from snaketrl.rewards import BUILTINS
 from snaketrl.trainers import REGISTRY
 
 # Columns a `format` conversion produces (snaketrl.data.formats.FORMATS).
@@ -76,7 +75,8 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     ev["reward_models"] = [n if n in runs else members.get(n, [n])[0] for n in ev["reward_models"]]
     for name in ev["runs"]:
         if name not in runs:
-            raise ConfigError(f"{where}.runs: no run named '{name}'{close_match(name, runs)}; runs are {sorted(runs)}")
+            raise ConfigError(f"{where}.runs: no run named '{name}'{close_match(name, [*causal, *members])}; "
+                              f"language-model runs are {causal}")
         if name not in causal:
             raise ConfigError(f"{where}.runs: run '{name}' trains a reward model ({runs[name]['trainer']}), which "
                               f"generates nothing; list it under evaluation.reward_models to judge with it")
@@ -88,8 +88,9 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     reward_runs = sorted(n for n, r in runs.items() if r["trainer"] == "reward")
     for name in ev["reward_models"]:
         if name not in runs:
-            raise ConfigError(f"{where}.reward_models: '{name}' is not a run{close_match(name, runs)}; reward model "
-                              f"runs are {reward_runs}")
+            known = (f"reward model runs are {reward_runs}" if reward_runs else
+                     "no run trains a reward model (add reward to matrix.trainers, or leave reward_models out)")
+            raise ConfigError(f"{where}.reward_models: '{name}' is not a run{close_match(name, reward_runs)}; {known}")
         if runs[name]["trainer"] != "reward":
             raise ConfigError(f"{where}.reward_models: run '{name}' trains '{runs[name]['trainer']}', not a reward "
                               f"model; reward model runs are {reward_runs}")
@@ -97,9 +98,7 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     names = []
     for entry in ev["reward_funcs"]:
         fname = reward_func_name(entry)
-        if ":" not in fname and fname not in BUILTINS:
-            raise ConfigError(f"{where}.reward_funcs: unknown reward function '{fname}'; expected one of "
-                              f"{sorted(BUILTINS)} or 'package.module:function'")
+        check_reward_func(fname, "evaluation.reward_funcs")
         names.append(score_name("fn", fname))
     names += [score_name("rm", n) for n in ev["reward_models"]]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -10,34 +10,32 @@ from __future__ import annotations
 import itertools
 import re
 
-from snaketrl.errors import ConfigError, did_you_mean
+from snaketrl.config.args import check_field
+from snaketrl.errors import ConfigError
 from snaketrl.train.args import OWNED
-from snaketrl.train.fields import init_fields
 from snaketrl.trainers import REGISTRY
 
 # A swept value becomes part of the run name, so of paths and wildcards.
 VALUE = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
-def check_sweeps(config: dict, runs: dict[str, dict]) -> None:
+def check_sweeps(config: dict, runs: dict[str, dict]) -> dict[str, dict[str, list]]:
     """Every swept trainer has runs, every swept key is a field of its TRL config that the config may set,
-    every value can be part of a run name, and no run sets a swept key itself."""
+    every value is one the field takes and can be part of a run name, and no run sets a swept key itself.
+    Returns each grid with its values as the jobs take them (snaketrl.config.args.value)."""
+    out = {}
     for trainer, grid in (config.get("sweeps") or {}).items():
         where = f"config: sweeps.{trainer}"
         if trainer not in REGISTRY:
             raise ConfigError(f"{where}: unknown trainer; expected one of {sorted(REGISTRY)}")
         if not any(run["trainer"] == trainer for run in runs.values()):
             raise ConfigError(f"{where}: no run trains '{trainer}' (add it to matrix.trainers or runs)")
-        dotted = REGISTRY[trainer].config
-        fields = init_fields(dotted)
+        out[trainer] = {}
         for key, values in grid.items():
-            if fields is not None and key not in fields:
-                raise ConfigError(f"{where}.{key}: not a field of {dotted.replace(':', '.')}"
-                                  f"{did_you_mean(key, fields)}")
             if key in OWNED:
                 raise ConfigError(f"{where}.{key}: set by {OWNED[key]}, it cannot be swept")
-            if key == "seed":
-                raise ConfigError(f"{where}.seed: use `seeds: [...]` (top level or per run) to repeat runs over seeds")
+            out[trainer][key] = [check_field(REGISTRY[trainer].config, key, v, f"sweeps.{trainer}.{key}")
+                                 for v in values]
             for value in values:
                 if not VALUE.fullmatch(str(value)):
                     raise ConfigError(f"{where}.{key}: value {value!r} cannot be part of a run name (letters, "
@@ -47,6 +45,7 @@ def check_sweeps(config: dict, runs: dict[str, dict]) -> None:
             if run["trainer"] == trainer and clash:
                 raise ConfigError(f"config: runs.{name}.args.{clash[0]}: also swept by sweeps.{trainer}.{clash[0]}; "
                                   f"set it in one place")
+    return out
 
 
 def with_sweeps(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
@@ -58,7 +57,7 @@ def with_sweeps(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
     sweeps = {t: grid for t, grid in (config.get("sweeps") or {}).items() if grid}
     if not sweeps:
         return runs
-    check_sweeps(config, runs)
+    taken = check_sweeps(config, runs)
     import pandas as pd
     from snakemake.utils import Paramspace
 
@@ -73,9 +72,11 @@ def with_sweeps(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
             continue
         keys = sorted(grid)
         combos = list(itertools.product(*(grid[k] for k in keys)))
-        # object dtype: each value keeps its YAML type and spelling (1 stays 1, not 1.0 beside a float).
+        values = itertools.product(*(taken[run["trainer"]][k] for k in keys))
+        # object dtype: each value keeps its YAML type and spelling in the name (1 stays 1, not 1.0 beside a
+        # float; '1e-4' stays 1e-4, while the job gets the number).
         space = Paramspace(pd.DataFrame(combos, columns=keys, dtype=object), filename_params="*")
-        for combo, instance in zip(combos, space.instance_patterns):
+        for combo, instance in zip(values, space.instance_patterns):
             swept, swept_name = dict(zip(keys, combo)), f"{name}-{instance}"
             if swept_name in out or swept_name in runs:
                 raise ConfigError(f"config: sweeps.{run['trainer']}: two runs would both be named '{swept_name}' "

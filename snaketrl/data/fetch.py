@@ -6,6 +6,7 @@ with a seeded eval hold-out. Lines that are not UTF-8 JSON objects are errors, o
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,7 +166,7 @@ def _load_hub(name: str, entry: dict, split: str) -> _Part:
 
     from snaketrl import hub
 
-    repo = entry["hub"]
+    repo = os.path.expanduser(entry["hub"])  # `~/data/x`: a local directory
     prefetch = (f"`datasets.load_dataset('{repo}'{', ' + repr(entry['name']) if entry.get('name') else ''})"
                 f"[split].to_json(...)` for each split, copy the files here and use `files:` (or a local "
                 f"directory as `hub:`)")

@@ -4,6 +4,7 @@ filter), or a GGUF file turned into an HF directory (snaketrl.models.gguf).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # What training needs: configs, tokenizer files and safetensors weights (no .bin, no optimizer states).
@@ -24,7 +25,7 @@ def download(name: str, entry: dict, out_dir: str | Path, gguf_path: str | None 
         convert(name, entry["gguf"], out_dir, gguf_path)
         return
 
-    repo, out_dir = entry["hub"], Path(out_dir)
+    repo, out_dir = os.path.expanduser(entry["hub"]), Path(out_dir)  # `~/models/x`: a local directory
     patterns = HUB_PATTERNS if entry.get("trust_remote_code") else [p for p in HUB_PATTERNS if p != "*.py"]
     if Path(repo).is_dir():
         for src in sorted(Path(repo).rglob("*")):

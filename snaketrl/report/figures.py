@@ -25,6 +25,18 @@ def first_value(history: list[dict], key: str):
     return last_value(history[::-1], key)
 
 
+def pyplot():
+    """matplotlib's pyplot without a display, its tick labels in positional notation like the page's numbers
+    (no 1e-5 ticks, no +1e3 offsets; log axes keep their powers of ten)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update({"axes.formatter.limits": (-99, 99), "axes.formatter.useoffset": False})
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def png_bytes(fig) -> bytes:
     import matplotlib.pyplot as plt
 

@@ -9,6 +9,8 @@ import math
 
 import pandas as pd
 
+from snaketrl.trainers import REGISTRY
+
 # (column, where in metrics.json, higher is better? None: no "best", a property to read, not a goal)
 FIXED = [
     ("NLL", ("references", "nll"), False),
@@ -66,10 +68,35 @@ def frame(metrics: dict[str, dict], groups: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(rows), {label: better for label, _, better in cols.values()}
 
 
+def trainer_rank(trainer: str) -> tuple:
+    """Trainers in the registry's order (SFT, DPO, reward, GRPO, PPO, ...): the bases, the reference, first."""
+    order = ["base", *REGISTRY]
+    return (order.index(trainer) if trainer in order else len(order), trainer)
+
+
+def tied(a: float, b: float) -> bool:
+    """Equal to the digits a mean over seeds keeps (two means of the same values may differ in the last bit)."""
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def standard_errors(metrics: dict[str, dict], groups: dict[str, str]) -> dict[tuple[str, str], float]:
+    """(group, score column) -> the standard error of one job's mean score over its prompts: the noise of a
+    run evaluated with one seed."""
+    out = {}
+    for job, m in metrics.items():
+        n = m.get("n_prompts") or 0
+        for score, entry in (m.get("scores") or {}).items():
+            if isinstance(entry, dict) and entry.get("std") is not None and n > 1:
+                out[(groups.get(job, job), score)] = entry["std"] / math.sqrt(n)
+    return out
+
+
 def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFrame, dict]:
-    """Mean, std and seed count per group, bases first; and per column the best group and whether its lead
-    is smaller than the seed spread (then it is no lead at all). A group with a diverged seed has no values:
-    the seeds that did not diverge alone would flatter it."""
+    """Mean, std and seed count per group, bases first, and each cell's noise: the std over seeds, or with
+    one seed a score's standard error over the prompts; per column the best run and whether its lead is
+    smaller than the noise of the two (then it is no lead at all). A base model is the reference every run
+    is read against, not a contestant; a column whose two best runs are equal has no best (a tie is no
+    lead). A group with a diverged seed has no values: the seeds that did not diverge alone would flatter it."""
     df, better = frame(metrics, groups)
     values = [c for c in better if df[c].notna().any()]
     grouped = df.groupby("group", sort=False)
@@ -77,40 +104,90 @@ def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFram
     mean, std = grouped[values].mean(), grouped[values].std(ddof=1)
     mean.loc[diverged > 0], std.loc[diverged > 0] = float("nan"), float("nan")
     info = grouped[["trainer", "model"]].first().assign(seeds=grouped.size(), diverged=diverged)
-    order = sorted(mean.index, key=lambda g: (info.loc[g, "trainer"] != "base", info.loc[g, "model"], g))
+    order = sorted(mean.index, key=lambda g: (info.loc[g, "trainer"] != "base", info.loc[g, "model"],
+                                              trainer_rank(info.loc[g, "trainer"]), g))
     mean, std, info = mean.loc[order], std.loc[order], info.loc[order]
+    errors = standard_errors(metrics, groups)
+    noise = std.copy()
+    for group in noise.index[info["seeds"] == 1]:
+        noise.loc[group] = [errors.get((group, col), float("nan")) for col in noise.columns]
+    noise[mean.isna()] = float("nan")
+    runs = [g for g in mean.index if info.loc[g, "trainer"] != "base"]
     best = {}
     for col in values:
-        if better[col] is None or mean[col].notna().sum() < 2:
+        ranked = mean.loc[runs, col].dropna().sort_values(ascending=not better[col])
+        if better[col] is None or len(ranked) < 2 or tied(ranked.iloc[0], ranked.iloc[1]):
             continue
-        ranked = mean[col].dropna().sort_values(ascending=not better[col])
         first, second = ranked.index[0], ranked.index[1]
-        spread = (std[col].fillna(0).get(first, 0) or 0) + (std[col].fillna(0).get(second, 0) or 0)
-        best[col] = {"group": first, "runner_up": second, "within_spread": bool(
-            abs(ranked.iloc[0] - ranked.iloc[1]) < spread)}
-    return {"mean": mean, "std": std, "info": info}, best
+        spread = noise[col].fillna(0)[first] + noise[col].fillna(0)[second]
+        best[col] = {"group": first, "runner_up": second, "lead": abs(ranked.iloc[0] - ranked.iloc[1]),
+                     "within_spread": bool(abs(ranked.iloc[0] - ranked.iloc[1]) < spread)}
+    return {"mean": mean, "std": std, "noise": noise, "info": info}, best
 
 
-def to_html(board: dict, best: dict) -> str:
-    """mean ± std cells; the best per column in bold, marked ≈ when its lead over the runner-up is smaller
-    than their seed spread; a diverged group's cells say so."""
-    mean, std, info = board["mean"], board["std"], board["info"]
-    out = pd.DataFrame(index=list(mean.index))
-    out["trainer"], out["model"] = info["trainer"], info["model"]
-    out["seeds"] = [f"{n} ({d} diverged)" if d else n for n, d in zip(info["seeds"], info["diverged"])]
+def kind(label: str) -> str:
+    """How a column's values read (snaketrl.report.format): rates and accuracies as percentages."""
+    shares = (" win", "pref. acc.", "logp acc.", "distinct-2")
+    if label.endswith(shares) or any(k in label for k in ("acc", "exact_match")):
+        return "percent"
+    return "float"
+
+
+def primary(labels: list[str]) -> set[str]:
+    """The columns the default view shows: every reward model's score and win rate (the fixed reward
+    functions' where no reward model judges), held-out NLL and preference accuracy; the rest fold away."""
+    judged = [c for c in labels if c.startswith("rm_")] or [c for c in labels if c.startswith("fn_")
+                                                             and not c.endswith(" win")]
+    return {*judged, "NLL", "pref. acc."}
+
+
+def to_table(board: dict, best: dict, moved: dict[str, str | None] | None = None) -> dict:
+    """The leaderboard as a report table (snaketrl.report.format.table): mean ± std cells, one number of
+    decimals per column; the best per column in bold, ★ or ≈ when its lead over the runner-up is smaller
+    than their noise (seed spread, or one seed's standard error); a diverged group's cells say so. `moved`: group -> None where its completions
+    differ from its start model's, else that start model (it did not move)."""
+    from snaketrl.report.format import cell, column, decimals_for, number, spread
+    from snaketrl.report.format import table as make_table
+
+    mean, std, info, moved = board["mean"], board["std"], board["info"], moved or {}
+    shown = primary(list(mean.columns))
+    columns = [column("run"), column("trainer"), column("model", secondary=True), column("seeds", "int", secondary=True),
+               column("moved", title="no: its completions are its start model's for every prompt")]
     for col in mean.columns:
-        cells = []
-        for group in mean.index:
-            value, spread = mean.loc[group, col], std.loc[group, col]
-            if info.loc[group, "diverged"]:
-                cells.append("diverged")
+        k = kind(col)
+        decimals = 1 if k == "percent" else decimals_for(mean[col].dropna().tolist())
+        if best.get(col, {}).get("lead"):  # enough decimals that the leader and runner-up read apart
+            shown_lead = best[col]["lead"] * (100 if k == "percent" else 1)
+            decimals = max(decimals, min(6, math.ceil(-math.log10(shown_lead))))
+        win = col.endswith(" win")  # read beside its score: "win", the score's name in its tooltip
+        columns.append(column(col, k, secondary=col not in shown, decimals=decimals, label="win" if win else None,
+                              title=f"{col[:-4]}: win rate against the base's completion" if win else ""))
+    rows = []
+    for group in mean.index:
+        n, d = info.loc[group, "seeds"], info.loc[group, "diverged"]
+        if info.loc[group, "trainer"] == "base":
+            moves = cell("reference", "")
+        elif group in moved:
+            start = moved[group]
+            moves = cell("no" if start else "yes", "no" if start else "yes", cls="unmoved" if start else "",
+                         title=f"the same completion as {start} for every prompt" if start else "")
+        else:
+            moves = cell("–", None)
+        row = [group, info.loc[group, "trainer"], info.loc[group, "model"],
+               cell(f"{n} ({d} diverged)", int(n)) if d else int(n), moves]
+        for col, c in zip(mean.columns, columns[5:]):
+            value, sd = mean.loc[group, col], std.loc[group, col]
+            if d:
+                row.append(cell("diverged", None, cls="diverged"))
                 continue
             if pd.isna(value):
-                cells.append("–")
+                row.append(cell(number(None), None))
                 continue
-            text = f"{value:.3g}" + (f" ± {spread:.2g}" if pd.notna(spread) else "")
-            if best.get(col, {}).get("group") == group:
-                text = f"<b>{text}</b>" + (" ≈" if best[col]["within_spread"] else " ★")
-            cells.append(text)
-        out[col] = cells
-    return out.to_html(escape=False, classes="summary leaderboard")
+            text = number(value, c["kind"], c["decimals"])
+            if pd.notna(sd):
+                text += f" ± {spread(sd, c['kind'], c['decimals'])}"
+            lead = best.get(col, {})
+            mark = ("≈" if lead["within_spread"] else "★") if lead.get("group") == group else ""
+            row.append(cell(text, float(value), bold=bool(mark), mark=mark))
+        rows.append(row)
+    return make_table(columns, rows, cls="leaderboard")

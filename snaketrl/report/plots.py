@@ -7,6 +7,8 @@ from collections import defaultdict
 
 import pandas as pd
 
+from snaketrl.report.figures import pyplot
+
 # Bookkeeping columns, and the keys of the final summary entry (one value per run, not a curve).
 NOT_CURVES = {"step", "epoch", "total_flos", "train_loss", "train_runtime", "train_samples_per_second",
               "train_steps_per_second", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
@@ -42,10 +44,7 @@ def group_metrics(columns, first=()) -> dict[str, list[str]]:
 
 
 def plot_frame(df: pd.DataFrame, path, title: str, first=()) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = group_metrics(df.columns, first)
     n = max(1, len(groups))

@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pandas as pd
 
 from snaketrl.io import read_json, read_jsonl
-from snaketrl.report import leaderboard
-from snaketrl.report.figures import data_uri, first_value, last_value, png_bytes
+from snaketrl.report import compute, glance, leaderboard
+from snaketrl.report.figures import data_uri, first_value, last_value, png_bytes, pyplot
+from snaketrl.report.format import cell, column, number, plain, pretty_json, table
 from snaketrl.report.plots import log_frame
-from snaketrl.report.sweeps import sweep_sections
+from snaketrl.report.sweeps import sweep_sections, yardstick
 from snaketrl.trainers import REGISTRY
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -61,15 +61,31 @@ def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.D
 def _fmt(value) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         return "diverged"  # a log from before training stopped on it
-    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+    return number(value)
+
+
+# How the summary's columns read (snaketrl.report.format kinds); the rest are folded away by default.
+SUMMARY_KINDS = {"max_length": "int", "truncated": "percent", "dropped (too long)": "int",
+                 "expected efficiency": "percent", "token efficiency": "percent", "real tokens/s": "si",
+                 "steps": "int", "train loss (last log)": "float", "eval loss": "float", "runtime (s)": "seconds",
+                 "samples/s": "float", "peak RSS (MB)": "float", "rows dropped": "int"}
+SUMMARY_SHOWN = {"trainer", "model", "dataset", "max_length", "truncated", "token efficiency", "steps",
+                 "train loss (last log)", "eval loss", "runtime (s)"}
+
+
+def frame_table(df: pd.DataFrame, kinds: dict[str, str], shown=None, index: str = "run", cls: str = "") -> dict:
+    """A DataFrame (indexed by name) as a report table: columns read as `kinds` says (text otherwise), those
+    not in `shown` (when given) folded away by default."""
+    columns = [column(index)] + [column(c, kinds.get(c, "text"), secondary=shown is not None and c not in shown)
+                                 for c in df.columns]
+    rows = [[name, *(None if isinstance(v, float) and math.isnan(v) else v for v in values)]
+            for name, values in zip(df.index, df.itertuples(index=False))]
+    return table(columns, rows, cls=cls)
 
 
 def overlay_png(trainer: str, states: dict[str, dict]) -> bytes:
     """The trainer's overlay metric (train and eval) for each of its runs, on one axes, labelled by run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     key = REGISTRY[trainer].overlay
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -120,10 +136,7 @@ def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
     """The tiny bases' pretraining (`pretrained`: model -> {state, metrics} files): a table and one figure."""
     if not pretrained:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -140,41 +153,35 @@ def pretraining_section(pretrained: dict[str, dict]) -> dict | None:
     ax.set_title("pretraining loss", fontsize=10)
     ax.legend(fontsize=7)
     png = png_bytes(fig)
-    table = pd.DataFrame(rows).set_index("model")
-    return {"table": table.to_html(float_format=lambda v: f"{v:.4g}", classes="summary"),
-            "png": data_uri(png)}
+    kinds = {"steps": "int", "train loss": "float", "held-out loss": "float", "ln(vocab)": "float",
+             "seconds": "seconds"}
+    return {"table": frame_table(pd.DataFrame(rows).set_index("model"), kinds, index="model"), "png": data_uri(png)}
 
 
-def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_prompts: int = 4) -> dict | None:
-    """The yardstick (`evaluated`: eval job -> {metrics, completions} files): the leaderboard, mean reward per
-    run with error bars, and completions side by side (prompt | base | each run) for a few prompts."""
+def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], runs: dict[str, dict] | None = None,
+                       n_prompts: int = 4) -> dict | None:
+    """The yardstick (`evaluated`: eval job -> {metrics, completions} files): the first figure with the
+    sentences under it (snaketrl.report.glance), the leaderboard, and completions side by side (prompt |
+    base | each run) for a few prompts. `runs`: the resolved runs, for each run's dataset and start model."""
     if not evaluated:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    runs = runs or {}
     metrics = {job: read_json(f["metrics"]) for job, f in evaluated.items()}
+    completions = {job: read_jsonl(f["completions"]) for job, f in evaluated.items()}
     board, best = leaderboard.table(metrics, groups)
-    scores = [c for c in board["mean"].columns if c.startswith("rm_") and not c.endswith(" win")]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(board["mean"])), 3.5))
-    width = 0.8 / max(1, len(scores))
-    for i, score in enumerate(scores):
-        # Spread over seeds where there are several, else over the prompts of the one job.
-        prompt_std = {groups.get(j, j): m["scores"][score]["std"] for j, m in metrics.items() if score in m.get("scores", {})}
-        err = [board["std"].loc[g, score] if board["info"].loc[g, "seeds"] > 1 else prompt_std.get(g, 0)
-               for g in board["mean"].index]
-        ax.bar([x + i * width for x in range(len(board["mean"]))], board["mean"][score], width, yerr=err, capsize=2,
-               label=score)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(board["mean"]))], board["mean"].index, rotation=45,
-                  ha="right", fontsize=7)
-    ax.set_title("mean reward-model score per run (error bars: seeds, or prompts for one seed)", fontsize=9)
-    ax.legend(fontsize=7)
-    png = png_bytes(fig)
+    starts = glance.start_jobs(metrics, runs)
+    same = glance.unmoved(completions, starts)
+    moved = glance.moved_groups(groups, starts, same)
+    _, better = leaderboard.frame(metrics, groups)
+    col = yardstick({c: better[c] for c in board["mean"].columns})
+    datasets = {groups.get(r, r): entry.get("dataset", "") for r, entry in runs.items()}
+    prompts = max((m.get("n_prompts") or 0 for m in metrics.values()), default=0)
+    first = None
+    if col is not None:
+        first = {"png": data_uri(glance.glance_png(board, col, better[col], datasets, moved)),
+                 "sentences": glance.sentences(board, col, better[col], moved, prompts, best), "metric": col}
 
     side = []
-    completions = {job: read_jsonl(f["completions"]) for job, f in evaluated.items()}
     first_job = {}  # group -> its first seed's job: the side-by-side table shows one completion per group
     for job in sorted(metrics):
         first_job.setdefault(groups.get(job, job), job)
@@ -182,10 +189,42 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], n_pro
         jobs = {g: j for g, j in first_job.items() if g in board["mean"].index and metrics[j]["model"] == model}
         jobs = {g: jobs[g] for g in board["mean"].index if g in jobs}  # bases first, as in the leaderboard
         n = min(n_prompts, *(len(completions[j]) for j in jobs.values()))
-        rows = [{"prompt": _text(completions[next(iter(jobs.values()))][i]["prompt"]),
-                 **{g: completions[j][i]["completion"] for g, j in jobs.items()}} for i in range(n)]
-        side.append({"model": model, "table": pd.DataFrame(rows).to_html(index=False, classes="summary side")})
-    return {"leaderboard": leaderboard.to_html(board, best), "png": data_uri(png), "side": side}
+        columns = [column("prompt")] + [column(g) for g in jobs]
+        rows = [[cell(_text(completions[next(iter(jobs.values()))][i]["prompt"]), i),
+                 *(_completion(completions, j, starts.get(j), i, groups) for j in jobs.values())] for i in range(n)]
+        side.append({"model": model, "table": table(columns, rows, cls="side")})
+    return {"first": first, "leaderboard": leaderboard.to_table(board, best, moved), "side": side,
+            "board": board, "best": best, "metric": col, "higher": better.get(col), "moved": moved}
+
+
+def _completion(completions: dict, job: str, start: str | None, i: int, groups: dict[str, str]) -> dict:
+    """A completion as the side-by-side table shows it: its own line breaks, an empty one marked as such, one
+    that is its start model's word for word marked too."""
+    text = completions[job][i]["completion"]
+    if isinstance(text, list):  # conversational: the assistant's messages
+        text = "\n".join(m.get("content", "") for m in text)
+    if not text.strip():
+        return cell("(empty)", "", cls="empty", title="the model generated no text for this prompt")
+    if start and completions.get(start) and completions[start][i]["completion"] == completions[job][i]["completion"]:
+        return cell(text, text, cls="same", title=f"the same as {groups.get(start, start)}'s")
+    return cell(text, text)
+
+
+def compute_section(runs: dict[str, dict], loaded: dict[str, dict], evaluation: dict | None,
+                    groups: dict[str, str]) -> dict | None:
+    """Equal compute (snaketrl.report.compute): the cost table, the yardstick against FLOPs and seconds, each
+    trainer's curve against FLOPs. None when no run recorded its cost."""
+    metrics = {run: data["metrics"] or {} for run, data in loaded.items()}
+    if not any(m.get("flops") is not None for m in metrics.values()):
+        return None
+    costs = compute.chain_cost(runs, metrics)
+    yard = None
+    if evaluation and evaluation["metric"] is not None:
+        png = compute.yardstick_png(evaluation["board"], evaluation["metric"], evaluation["higher"], groups, costs, runs)
+        yard = data_uri(png) if png else None
+    curves = compute.curves_png(runs, {run: data["state"] for run, data in loaded.items()}, metrics)
+    return {"table": compute.cost_table(runs, metrics, costs), "yardstick": yard,
+            "metric": (evaluation or {}).get("metric"), "curves": data_uri(curves) if curves else None}
 
 
 def db_summary(db) -> dict | None:
@@ -223,19 +262,24 @@ def render(*, runs: dict[str, dict], files: dict[str, dict], out, pretrained: di
             "batching": used_batching(data["lengths"], data["metrics"] or {}),
             "curves": data_uri(data["curves"]),
             "histogram": data_uri(data["histogram"]),
-            "config": json.dumps(manifest.get("config", {}), indent=2),
-            "manifest": json.dumps({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}, indent=2),
-            "trl_args": json.dumps(manifest.get("trl_args", {}), indent=2),
+            "config": pretty_json(manifest.get("config", {})),
+            "manifest": pretty_json({k: v for k, v in manifest.items() if k not in ("config", "trl_args")}),
+            "trl_args": pretty_json(manifest.get("trl_args", {})),
+            "numerics": manifest.get("numerics"),
         })
-    table = summary_table(runs, loaded)
+    summary = summary_table(runs, loaded)
     sweeps = sweep_sections(runs, {run: data["state"] for run, data in loaded.items()},
                             {job: read_json(f["metrics"]) for job, f in (evaluated or {}).items()})
     overlays = [{"trainer": t, "png": data_uri(overlay_png(t, states))} for t, states in by_trainer.items()]
+    evaluation = evaluation_section(evaluated or {}, groups or {}, runs)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), autoescape=True)
+    env.filters.update(num=number, plain=plain)
     html = env.get_template("report.html.j2").render(
-        table=table.to_html(float_format=lambda v: f"{v:.4g}", na_rep="–", classes="summary"),
-        sections=sections, overlays=overlays, n_runs=len(runs), pretraining=pretraining_section(pretrained or {}),
-        evaluation=evaluation_section(evaluated or {}, groups or {}), db=db_summary(db), sweeps=sweeps)
+        table=frame_table(summary, SUMMARY_KINDS, SUMMARY_SHOWN), sections=sections, overlays=overlays,
+        n_runs=len(runs), pretraining=pretraining_section(pretrained or {}), evaluation=evaluation,
+        compute=compute_section(runs, loaded, evaluation, groups or {}), db=db_summary(db), sweeps=sweeps,
+        models=sorted({e["model"] for e in runs.values()}),
+        trainers=sorted({e["trainer"] for e in runs.values()}, key=leaderboard.trainer_rank))
     with atomic(out) as tmp:
         tmp.write_text(html, encoding="utf-8")
     return html

@@ -5,7 +5,7 @@ yardstick when every member was evaluated, else by the trainer's headline metric
 from __future__ import annotations
 
 from snaketrl.report import leaderboard
-from snaketrl.report.figures import data_uri, last_value, png_bytes
+from snaketrl.report.figures import data_uri, last_value, png_bytes, pyplot
 from snaketrl.trainers import REGISTRY
 
 
@@ -52,30 +52,33 @@ def sweep_table(members: dict[str, dict], values: dict[str, float]):
     return table.reset_index(drop=True)
 
 
-def _html(table, label: str, higher: bool | None) -> str:
-    """mean ± std cells (std only with several seeds), the best combination in bold."""
+def _table(table, label: str, higher: bool | None) -> dict:
+    """mean ± std cells (std only with several seeds), the best combination in bold; the swept values as
+    the config wrote them (a learning rate reads 0.005)."""
     import pandas as pd
+
+    from snaketrl.report.format import cell, column, decimals_for, number
+    from snaketrl.report.format import table as make_table
 
     keys = [c for c in table.columns if c not in ("mean", "std", "seeds")]
     best = None
     if higher is not None and table["mean"].notna().any():
         best = table["mean"].idxmax() if higher else table["mean"].idxmin()
-    cells = []
+    decimals = decimals_for(table["mean"].dropna().tolist())
+    rows = []
     for i, row in table.iterrows():
-        text = "–" if pd.isna(row["mean"]) else f"{row['mean']:.4g}" + (
-            "" if pd.isna(row["std"]) else f" ± {row['std']:.2g}")
-        cells.append(f"<b>{text}</b>" if i == best else text)
-    out = table[keys].astype(str).assign(**{label: cells, "seeds": table["seeds"]})
-    return out.to_html(index=False, escape=False, classes="summary sweep")
+        text = number(None) if pd.isna(row["mean"]) else number(row["mean"], "float", decimals) + (
+            "" if pd.isna(row["std"]) else f" ± {number(row['std'], 'float', decimals)}")
+        rows.append([*(row[k] for k in keys), cell(text, None if pd.isna(row["mean"]) else float(row["mean"]),
+                                                   bold=i == best), int(row["seeds"])])
+    columns = [*(column(k) for k in keys), column(label, "float"), column("seeds", "int")]
+    return make_table(columns, rows, cls="sweep")
 
 
 def sweep_png(table, label: str, title: str) -> bytes:
     """The metric against each swept value (one panel per key), one line per setting of the other keys;
     error bars: std over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = [c for c in table.columns if c not in ("mean", "std", "seeds")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
@@ -117,7 +120,7 @@ def sweep_sections(runs: dict[str, dict], states: dict[str, dict], metrics: dict
         table = sweep_table(members, values)
         sections.append({
             "name": sweep, "trainer": first["trainer"], "model": first["model"], "metric": label,
-            "source": source, "combinations": len(table), "table": _html(table, label, higher),
+            "source": source, "combinations": len(table), "table": _table(table, label, higher),
             "png": data_uri(sweep_png(table, label, f"{sweep}: {label}")),
         })
     return sections

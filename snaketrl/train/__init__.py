@@ -2,6 +2,7 @@
 
 args: the TRL config a run trains with. fields: TRL config fields read without importing trl. loading:
 models and tokenizers as training loads them. run: the train job. batching, sampler, tokens: the length
-stage's batching choice carried out and measured. ppo: TRL's PPOTrainer made resumable. distributed:
-multi-GPU launches. training_samples: GRPO/PPO completions logged while training.
+stage's batching choice carried out and measured. cost: each step's FLOPs and peak memory. ppo: TRL's
+PPOTrainer made resumable. distributed: multi-GPU launches. training_samples: GRPO/PPO completions logged
+while training.
 """

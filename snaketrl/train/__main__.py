@@ -1,5 +1,9 @@
-"""`python -m snaketrl.train JOB.json`: what a multi-GPU job launches in each process."""
+"""`python -m snaketrl.train JOB.json [JOB.json ...]`: what a launched job runs in each of its processes."""
 
-from snaketrl.train.run import main
+from snaketrl.train.distributed import die_with_parent
+
+die_with_parent()  # first: a launcher killed while this process imports takes it along too
+
+from snaketrl.train.run import main  # noqa: E402 - after the line above, on purpose
 
 main()

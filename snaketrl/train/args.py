@@ -11,7 +11,9 @@ from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
 OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
-         **{key: "the length stage's batching choice (length.batching)" for key in BATCHING_FIELDS}}
+         "seed": "the top-level seed (`seeds: [...]`, top level or per run, repeats runs over seeds)",
+         **{key: "the length stage's batching choice (length.batching: auto, padded, grouped, packed)"
+            for key in BATCHING_FIELDS}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:
@@ -112,3 +114,37 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
     if not kwargs["bf16"]:
         kwargs.setdefault("fp16", False)
     return cls(**kwargs)
+
+
+def split_batch(trainer: str, args: dict, processes: int) -> tuple[dict, dict]:
+    """A run's args for one of `processes` processes that train together, and what the global batch became.
+    The config's batch is the global one (per-device batch x gradient accumulation, as one process trains
+    it): the accumulation steps are divided among the processes where they divide evenly (each process then
+    runs the micro-batches one process would have), else the per-device batch, else the global batch grows
+    `processes`-fold and `note` says so. The evaluation batch is divided where it divides."""
+    if processes == 1:
+        return args, {"processes": 1}
+    cls = load(REGISTRY[trainer].config)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    per_device, accumulation, per_device_eval = (args.get(key, defaults[key]) for key in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"))
+    configured = per_device * accumulation
+    group_rows = None
+    if accumulation % processes == 0:
+        accumulation //= processes
+    elif per_device % processes == 0:
+        per_device //= processes
+        group_rows = per_device * processes  # one process's batch, dealt out: length-grouped as one (sampler.py)
+    if per_device_eval % processes == 0:
+        per_device_eval //= processes
+    split = {**args, "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
+             "per_device_eval_batch_size": per_device_eval}
+    batch = {"processes": processes, "global_batch": per_device * processes * accumulation, "group_rows": group_rows}
+    if batch["global_batch"] == configured:
+        batch["note"] = (f"global batch {configured} as configured: {per_device} per process x {processes} "
+                         f"processes x {accumulation} accumulation steps")
+    else:
+        batch["note"] = (f"global batch {batch['global_batch']}, not the configured {configured}: neither "
+                         f"gradient_accumulation_steps {accumulation} nor per_device_train_batch_size {per_device} "
+                         f"divides among {processes} processes")
+    return split, batch

@@ -2,7 +2,7 @@
 
 The run's checkpoints stay for inspection; a marker beside them (`diverged.json`: where, what, the log
 history) makes a rerun with the same config and inputs refuse to train on, while a changed config or input
-starts over as any other change does (snaketrl.train.run.last_checkpoint).
+starts over as any other change does (snaketrl.train.checkpoints.Attempt).
 """
 
 from __future__ import annotations

@@ -99,13 +99,22 @@ class _Resume(TrainerCallback):
         self.trainer, self.checkpoint, self.saved, self.max_steps = trainer, checkpoint, saved, max_steps
 
     def on_train_begin(self, args, state, control, **kwargs):
-        for key in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+        for key in ("global_step", "episode", "epoch", "log_history", "total_flos", "stateful_callbacks"):
             setattr(state, key, self.saved[key])
         state.max_steps = self.max_steps  # TRL set it to the updates left; save and stop decisions need all
         self.trainer._load_rng_state(self.checkpoint)
-        # An uninterrupted run samples right after saving at this step; the sampling draws from the RNG.
-        if args.num_sample_generations > 0:
-            self.trainer.generate_completions(sampling=True)
+
+
+class _ReplaySampling(TrainerCallback):
+    """An uninterrupted run samples right after saving at the resumed step; the sampling draws from the RNG
+    (and its forward passes count towards the next update's cost). Last of the callbacks: the others' hooks
+    (snaketrl.train.tokens) are in place by then, as they were in the uninterrupted run."""
+
+    def __init__(self, trainer: PPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.generate_completions(sampling=True)
 
 
 class PPOTrainer(TRLPPOTrainer):
@@ -113,8 +122,19 @@ class PPOTrainer(TRLPPOTrainer):
     log where a callback sets `should_training_stop`, and ends with the summary entry (runtime) other trainers
     add to `log_history`."""
 
+    own_loop = True  # TRL's loop, not transformers': snaketrl.train.checkpoints leaves the rest of its resume here
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # Launched, accelerate wraps TRL's policy-and-value model in DistributedDataParallel, and TRL reaches
+        # for `.policy` on the wrapped model (the reference pass, save_model; TRL issue 2375). The wrapper
+        # gets the names without registering the modules again (DeepSpeed's engine forwards them itself).
+        inner = self.accelerator.unwrap_model(self.model)
+        if inner is not self.model and not hasattr(self.model, "policy"):
+            for name in ("policy", "value_model", "config"):
+                object.__setattr__(self.model, name, getattr(inner, name))
+        # Read by transformers' _save on every rank but the writer; TRL's __init__ never runs Trainer's, which sets it.
+        self.is_distributed_loading_by_transformers = False
         self._training = False
         self._passes = ReplayableLoader(self.dataloader)
         # TRL samples when the loop's update count, which restarts at 1 on a resume, hits its period: it
@@ -148,10 +168,35 @@ class PPOTrainer(TRLPPOTrainer):
         if self.control.should_training_stop and self._training:
             raise _Stop  # TRL's loop never reads should_training_stop (snaketrl.train.guard sets it)
 
+    def _gathered(self, prefix: str) -> dict:
+        """The wrapped model's weights under `prefix` (policy. or value_model.), whole and as plain copies: DeepSpeed
+        keeps them as views into its flat buffers (ZeRO-2), which safetensors refuses to save, or sharded (ZeRO-3,
+        gathered here: every rank calls this)."""
+        state = self.accelerator.get_state_dict(self.model)
+        return {k[len(prefix):]: v.detach().clone().contiguous() for k, v in (state or {}).items()
+                if k.startswith(prefix)}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The policy's adapter. TRL's own save under DeepSpeed hands transformers the policy where it expects
+        DeepSpeed's engine (it reads the engine's config), and fails; the other cases are TRL's."""
+        if not self.is_deepspeed_enabled:
+            return super().save_model(output_dir, _internal_call)
+        policy = self._gathered("policy.")
+        if self.args.should_save:
+            self.accelerator.unwrap_model(self.model).policy.save_pretrained(output_dir or self.args.output_dir,
+                                                                             state_dict=policy)
+        return None
+
     def _save_checkpoint(self, model, trial) -> None:
         out = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         out.mkdir(parents=True, exist_ok=True)
-        if self.args.should_save:
+        if self.is_deepspeed_enabled:
+            from safetensors.torch import save_file
+
+            value = self._gathered("value_model.")
+            if self.args.should_save:
+                save_file(value, str(out / VALUE_MODEL))
+        elif self.args.should_save:
             from safetensors.torch import save_model
 
             save_model(self.accelerator.unwrap_model(self.model).value_model, str(out / VALUE_MODEL))
@@ -183,14 +228,17 @@ class PPOTrainer(TRLPPOTrainer):
     def train(self, resume_from_checkpoint: str | None = None) -> TrainOutput:
         started = time.perf_counter()
         total = self.args.num_total_batches
-        resume, episode = None, 0
+        added, episode = [], 0
         if resume_from_checkpoint:
             saved = self._load_checkpoint(resume_from_checkpoint)
-            resume = _Resume(self, resume_from_checkpoint, saved, total)
             # The loop runs range(1, num_total_batches + 1): the updates left. Its `update` index is only
             # read by the sampling period, which generate_completions takes from the global step.
             self.args.num_total_batches = total - saved["global_step"]
-            self.callback_handler.callbacks.insert(0, resume)
+            added = [_Resume(self, resume_from_checkpoint, saved, total)]
+            self.callback_handler.callbacks.insert(0, added[0])
+            if self.args.num_sample_generations > 0:
+                added.append(_ReplaySampling(self))
+                self.callback_handler.callbacks.append(added[-1])
             episode = saved["episode"]
         self._session = (time.time(), episode)  # for `eps`
         loader, self.dataloader = self.dataloader, self._passes  # TRL's loop reads self.dataloader once
@@ -208,8 +256,8 @@ class PPOTrainer(TRLPPOTrainer):
             gc.unfreeze()
             self.dataloader = loader
             self.args.num_total_batches = total
-            if resume is not None:
-                self.callback_handler.callbacks.remove(resume)
+            for callback in added:
+                self.callback_handler.callbacks.remove(callback)
         metrics = {"train_runtime": time.perf_counter() - started, "global_step": self.state.global_step}
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         return TrainOutput(self.state.global_step, None, metrics)

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
-import shutil
+import os
+from contextlib import nullcontext
 from pathlib import Path
 
 from snaketrl.data.chat import chat_rows
+from snaketrl.errors import TrainingError
 from snaketrl.io import read_jsonl
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
-from snaketrl.train.args import build_args, check_args, check_hardware, check_liger_model, check_switches
+from snaketrl.train.args import (build_args, check_args, check_hardware, check_liger_model, check_switches,
+                                 split_batch)
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
@@ -24,27 +28,6 @@ log = logging.getLogger("snaketrl.train")
 
 def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def last_checkpoint(checkpoint_dir: Path, parts: dict[str, str], run: str = "?") -> str | None:
-    """The newest checkpoint made from the same config and the same inputs (`parts`: name -> content hash);
-    checkpoints (or a divergence marker) of anything else are removed, and the log says what changed. Raises
-    Diverged if the same config and inputs diverged there (snaketrl.train.guard)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from snaketrl.train.guard import MARKER, refuse_resume
-
-    stamp = checkpoint_dir / "snaketrl_run.json"
-    old = json.loads(stamp.read_text()).get("parts", {}) if stamp.is_file() else {}
-    earlier = any(checkpoint_dir.glob("checkpoint-*")) or (checkpoint_dir / MARKER).is_file()
-    if earlier and old != parts:
-        changed = sorted(k for k in {*old, *parts} if old.get(k) != parts.get(k))
-        log.warning("checkpoints in %s were made with another %s: starting over", checkpoint_dir, ", ".join(changed))
-        shutil.rmtree(checkpoint_dir)
-    refuse_resume(checkpoint_dir, run)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({"parts": parts}, indent=2))
-    return get_last_checkpoint(str(checkpoint_dir))
 
 
 def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
@@ -92,6 +75,28 @@ def with_lengths(dataset, tokenizer, layout: str, column: str):
     return dataset.add_column(column, sequence_lengths(dataset.to_list(), tokenizer, layout).tolist())
 
 
+def check_trained(state, args, run: str, examples: int) -> None:
+    """A run that made no optimizer step would still write an adapter (the untrained LoRA init), which later
+    jobs would take for a trained one: fail instead, whatever led there."""
+    if state.global_step > 0:
+        return
+    limits = ", ".join(f"{key} {getattr(args, key)}" for key in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
+        "total_episodes") if getattr(args, key, None) is not None)
+    raise TrainingError(f"run '{run}': training ended after 0 optimizer steps ({examples} training examples; "
+                        f"{limits}); nothing was written")
+
+
+def run_rows(run: dict, spec, tokenizer, train_file, eval_file) -> tuple[list[dict], list[dict]]:
+    """The run's train rows and its first `eval_rows` eval rows; a chat model's prompts as chat turns in its
+    template (snaketrl.data.chat; PPO's come tokenized so)."""
+    train_rows, eval_rows = read_jsonl(train_file), read_jsonl(eval_file)[:run.get("eval_rows") or spec.eval_rows]
+    if spec.tokenized:
+        return train_rows, eval_rows
+    return tuple(chat_rows(rows, run.get("chat", False), tokenizer, model=run["model"], dataset=run["dataset"],
+                           where=f"run '{run['name']}'") for rows in (train_rows, eval_rows))
+
+
 def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
               reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
     """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
@@ -101,6 +106,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     from snaketrl import manifest
     from snaketrl.io import atomic, hash_path, write_json
     from snaketrl.train import training_samples
+    from snaketrl.train.checkpoints import Attempt, kill_point
     from snaketrl.train.guard import DivergenceGuard
     from snaketrl.train.tokens import TokenCounter
 
@@ -118,23 +124,33 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         check_liger_model(run["args"], model_dir, run["name"], run["model"])
     build = dict(output_dir=str(checkpoint_dir), max_length=lengths["max_length"], seed=run["seed"], run=run["name"],
                  batching=batching)
-    args = build_args(run["trainer"], run["args"], **build)
+    # Launched (snaketrl.train.distributed): this is one of `world` processes training together.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run_args, batch = split_batch(run["trainer"], run["args"], world)
+    if world > 1 and device == "cpu":
+        # DeepSpeed on CPUs: without a backend named, accelerate finds none and counts one process while
+        # DeepSpeed's group has them all (each process would train on all the data).
+        run_args = {**run_args, "ddp_backend": "gloo"}
+    if world > 1:
+        log.info("%s: %d processes (%s): %s", run["name"], world, "gloo on CPUs" if device == "cpu" else "nccl on GPUs",
+                 batch["note"])
+    args = build_args(run["trainer"], run_args, **build)
     checkpointing = args.activation_checkpointing
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
         checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, args, lengths["max_length"]),
                                                   2 if args.bf16 else 4, free_bytes(device))
         log.info("%s: activation checkpointing %s: %s", run["name"], "on" if checkpointing else "off", why)
         if checkpointing != args.activation_checkpointing:
-            args = build_args(run["trainer"], {**run["args"], "activation_checkpointing": checkpointing}, **build)
+            args = build_args(run["trainer"], {**run_args, "activation_checkpointing": checkpointing}, **build)
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
     hashes = {name: hash_path(path) for name, path in inputs.items() if path}
     samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
-    # Resume only what the same config and the same inputs started; a diverged one stops here, before loading.
+    # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
+    # says which and why); a diverged one stops here, before loading.
     parts = {"config": _fingerprint(run), **hashes}
-    resume = last_checkpoint(checkpoint_dir, parts, run["name"])
-    if resume:
-        log.info("resuming %s from %s", run["name"], resume)
+    attempt = Attempt(checkpoint_dir, parts, run["name"])
+    resume = attempt.resume
 
     from datasets import Dataset
     from peft import LoraConfig
@@ -145,20 +161,15 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     set_seed(run["seed"])
     entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
-    sharded = run["distributed"] in SHARDED and args.world_size > 1  # launched: one process per GPU
+    sharded = run["distributed"] in SHARDED and world > 1
     model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
-    peft_config = LoraConfig(task_type=spec.task_type, **run["lora"])
+    # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
+    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
 
-    # A chat model's prompts as chat turns in its template (snaketrl.data.chat); PPO's come tokenized so.
-    train_rows, eval_rows = read_jsonl(train_file), read_jsonl(eval_file)[:run.get("eval_rows") or spec.eval_rows]
-    if not spec.tokenized:
-        train_rows, eval_rows = (chat_rows(rows, run.get("chat", False), tokenizer, model=run["model"],
-                                           dataset=run["dataset"], where=f"run '{run['name']}'")
-                                 for rows in (train_rows, eval_rows))
-    train_ds, eval_ds = Dataset.from_list(train_rows), Dataset.from_list(eval_rows)
+    train_ds, eval_ds = (Dataset.from_list(rows) for rows in run_rows(run, spec, tokenizer, train_file, eval_file))
     if batching.get("length_column_name"):
         train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
                              for ds in (train_ds, eval_ds))
@@ -168,10 +179,11 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     if batching.get("train_sampling_strategy") == "group_by_length":
         from snaketrl.train.sampler import with_grouped_sampler
 
-        trainer_cls = with_grouped_sampler(trainer_cls)
+        trainer_cls = with_grouped_sampler(trainer_cls, batch.get("group_rows"))
     trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                           processing_class=tokenizer, peft_config=peft_config,
-                          callbacks=[counter, guard, *(callbacks or [])], **extra)
+                          callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
+    counter.watch(trainer)  # FLOPs of its reference, reward and value models too
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
                     run["distributed"])
@@ -186,7 +198,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
     dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 
-    training_samples.attach(trainer, samples, run["name"])
+    attempt.attach(trainer, counter, training_samples.attach(trainer, samples, run["name"]))
     try:
         metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     except RuntimeError as err:
@@ -194,51 +206,111 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         raise
     # A diverged run stops here, before any output exists; its checkpoints and log stay in checkpoint_dir.
     guard.check(metrics)
-    metrics.update(counter.summary())
+    check_trained(trainer.state, args, run["name"], len(train_ds))
+    attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
+    metrics.update(counter.summary(gather_steps(counter.steps, world)))
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
                    activation_checkpointing=bool(checkpointing))
     if dropped is not None:
         metrics["examples_dropped"] = dropped
+    if world > 1:
+        metrics.update(group_metrics(trainer, batch))
     if spec.evaluates:
         metrics.update(trainer.evaluate())
         guard.check(metrics)
 
     out_dir = Path(out_dir)
-    with atomic(out_dir / "adapter", directory=True) as adapter_tmp:
-        trainer.save_model(str(adapter_tmp))  # collective under accelerate: every rank calls it
-        if trainer.is_world_process_zero():
+    main = trainer.is_world_process_zero()
+    # Collective under accelerate (ZeRO-3 gathers the shards): every rank saves into the one folder rank 0
+    # made, which rank 0 alone then puts in place.
+    tag = "-ranks" if world > 1 else None
+    shared = out_dir / f".adapter.tmp{tag}"
+    with atomic(out_dir / "adapter", directory=True, tag=tag) if main else nullcontext(shared) as adapter_tmp:
+        trainer.accelerator.wait_for_everyone()
+        trainer.save_model(str(adapter_tmp))
+        trainer.accelerator.wait_for_everyone()
+        if main:
             tokenizer.save_pretrained(str(adapter_tmp))
-    if not trainer.is_world_process_zero():
+    if not main:
         return metrics
     with atomic(out_dir / "trainer_state.json") as tmp:
         trainer.state.save_to_json(str(tmp))
+    kill_point("writing_outputs")
     write_json(metrics, out_dir / "metrics.json")
     training_samples.finish(samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
                    inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
-                   device=device, resumed_from=resume, model_source=read_source(model_dir),
+                   device=device, resumed_from=resume, model_source=read_source(model_dir), attempts=attempt.attempts,
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
+    attempt.finish()
     return metrics
 
 
-def launch_env(environ=None) -> dict:
-    """launch_command's environment. Its processes start without Snakemake's script preamble, which is
-    what put this package on a conda job's sys.path (Snakemake unsets PYTHONPATH there): name its home."""
-    import os
-    import sys
+def group_metrics(trainer, batch: dict) -> dict:
+    """How a launched run trained: its processes and global batch (args.split_batch), the accelerate mode, the
+    backend, DeepSpeed's ZeRO stage."""
+    import torch.distributed as dist
 
-    environ = dict(os.environ if environ is None else environ)
-    home = str(Path(__file__).resolve().parents[2])
-    if home not in sys.path:
-        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, environ.get("PYTHONPATH")]))
-    return environ
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return {"processes": batch["processes"], "global_batch": batch["global_batch"], "global_batch_note": batch["note"],
+            "distributed_type": str(trainer.accelerator.distributed_type.value), "backend": dist.get_backend(),
+            **({"zero_stage": plugin.zero_stage} if plugin is not None else {})}
+
+
+def gather_steps(steps: list[dict], world: int) -> list[dict]:
+    """The per-step token and FLOP records of every process, added up step by step (a collective: every rank
+    calls it); one process's own."""
+    if world == 1:
+        return steps
+    import torch.distributed as dist
+
+    from snaketrl.train.tokens import combine_ranks
+
+    every: list = [None] * world
+    dist.all_gather_object(every, steps)
+    return combine_ranks(every)
+
+
+def init_group(run: dict) -> None:
+    """A launched CPU process's gloo group, made before transformers makes it: transformers passes `ddp_timeout`
+    to the process group on GPUs only, and gloo's default of 30 minutes would keep a rank waiting that long
+    for a peer that hangs."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("ACCELERATE_USE_CPU") == "true" \
+            and not dist.is_initialized():
+        timeout = run["args"].get("ddp_timeout", 1800)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
 
 
 def main(argv=None) -> None:
+    """The launched processes (`python -m snaketrl.train JOB.json [JOB.json ...]`): each trains the jobs in
+    turn, in one process group (several jobs share one launch's start-up: imports take most of a tiny job's
+    time). An error ends the process with one line naming its rank (snaketrl.train.distributed.failure_line
+    quotes it)."""
     import sys
+    import traceback
 
-    job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    train_run(**job)
+    from snaketrl.errors import SnaketrlError
+    from snaketrl.smk import _one_line
+    from snaketrl.train.distributed import RANK_ERROR
+
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
+    try:
+        for path in argv or sys.argv[1:]:
+            job = json.loads(Path(path).read_text())
+            init_group(job["run"])
+            train_run(**job)
+    except Exception as err:
+        if not isinstance(err, SnaketrlError):
+            traceback.print_exc()
+        message = str(err) if isinstance(err, SnaketrlError) else f"{type(err).__name__}: {err}"
+        print(f"{RANK_ERROR}{rank}: {_one_line(message, 300)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

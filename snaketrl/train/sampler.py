@@ -52,7 +52,12 @@ class ShuffledLengthGroupedSampler(LengthGroupedSampler):
 
 class ShuffledLengthGroupedMixin:
     """A Trainer whose `group_by_length` sampling uses ShuffledLengthGroupedSampler; the lengths are those
-    transformers' own sampler measured (the `length_column_name` column, else the model inputs)."""
+    transformers' own sampler measured (the `length_column_name` column, else the model inputs). `group_rows`:
+    the rows grouped together, where not one batch: processes that split one process's batch among them take
+    consecutive batches of one group (accelerate deals them out in turn), so each step trains the rows one
+    process would."""
+
+    group_rows: int | None = None
 
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)
@@ -61,9 +66,11 @@ class ShuffledLengthGroupedMixin:
         # One batch of the DataLoader (transformers groups in optimizer steps of gradient_accumulation_steps
         # batches; what is padded together is one batch).
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return ShuffledLengthGroupedSampler(self.args.train_batch_size, lengths=sampler.lengths, seed=seed)
+        return ShuffledLengthGroupedSampler(self.group_rows or self.args.train_batch_size, lengths=sampler.lengths,
+                                            seed=seed)
 
 
-def with_grouped_sampler(trainer_cls: type) -> type:
+def with_grouped_sampler(trainer_cls: type, group_rows: int | None = None) -> type:
     """`trainer_cls` (a transformers Trainer subclass) with ShuffledLengthGroupedMixin, under its own name."""
-    return type(trainer_cls.__name__, (ShuffledLengthGroupedMixin, trainer_cls), {"__module__": __name__})
+    return type(trainer_cls.__name__, (ShuffledLengthGroupedMixin, trainer_cls),
+                {"__module__": __name__, "group_rows": group_rows})

@@ -7,20 +7,32 @@ import time
 import torch
 from transformers import TrainerCallback
 
+from snaketrl.train.cost import FlopMeter, cost_summary, decoder, models_of, peak_memory
+
 
 class TokenCounter(TrainerCallback):
     """Counts, for every optimizer step, the tokens of the model's gradient-enabled forward passes: the real
     ones (the batch's attention mask, or without one the non-pad tokens: transformers' own
     `include_num_input_tokens_seen="non_padding"` rule) and all those the model embeds (batch x padded
     length, a padding-free batch's packed length, or the row groups snaketrl.train.batching runs instead of the
-    batch). Reference-model, generation and evaluation passes run without gradients and are not counted."""
+    batch). Reference-model, generation and evaluation passes run without gradients and are not counted there.
+    Each step also records its FLOPs (snaketrl.train.cost: trained passes, and the forward-only ones of
+    generation, reference, reward and value models; not evaluation's) and the peak memory so far."""
 
     def __init__(self, pad_token_id: int | None):
         self.pad_token_id = pad_token_id
-        self.steps: list[dict] = []  # per optimizer step: real, processed, seconds
+        # per optimizer step: real, processed, seconds, flops_trained, flops_forward_only, forward_only_tokens,
+        # peak_rss_bytes (and cuda_peak_bytes on a GPU)
+        self.steps: list[dict] = []
         self._real = self._processed = 0
         self._started = None
         self._hooks = []
+        self.flops = FlopMeter()
+        self._models = {}
+
+    def watch(self, trainer) -> None:
+        """Count the FLOPs of every model `trainer` runs (the callback itself only gets the trained one)."""
+        self._models = models_of(trainer)
 
     def _count_real(self, module, args, kwargs):
         if not torch.is_grad_enabled():
@@ -37,18 +49,20 @@ class TokenCounter(TrainerCallback):
             self._processed += args[0].numel()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._hooks = [_backbone(model).register_forward_pre_hook(self._count_real, with_kwargs=True),
-                       _embeddings(model).register_forward_pre_hook(self._count_processed)]
+        self._hooks = [decoder(model).register_forward_pre_hook(self._count_real, with_kwargs=True),
+                       _embeddings(model).register_forward_pre_hook(self._count_processed),
+                       *self.flops.hook(self._models or {"policy": getattr(model, "policy", model)})]
         self._started = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._started = time.perf_counter()
+        self.flops.reset()  # evaluation and logging since the last step are no training cost
 
     def on_step_end(self, args, state, control, **kwargs):
         # A loop without on_step_begin (PPO's) times each step from the end of the one before.
         now = time.perf_counter()
         self.steps.append({"step": state.global_step, "real": self._real, "processed": self._processed,
-                           "seconds": now - self._started})
+                           "seconds": now - self._started, **self.flops.take(), **peak_memory()})
         self._real = self._processed = 0
         self._started = now
 
@@ -57,25 +71,37 @@ class TokenCounter(TrainerCallback):
             hook.remove()
         self._hooks = []
 
-    def summary(self) -> dict:
+    def summary(self, steps: list[dict] | None = None) -> dict:
         """token_efficiency (real / processed) and real tokens per second of training steps (evaluation,
-        logging and checkpoints excluded), over every step counted."""
-        real = sum(s["real"] for s in self.steps)
-        processed = sum(s["processed"] for s in self.steps)
-        seconds = sum(s["seconds"] for s in self.steps)
+        logging and checkpoints excluded), over every step counted; their FLOPs, seconds and peak memory
+        (snaketrl.train.cost.cost_summary) and the weights the FLOPs were counted with. `steps`: the records
+        to sum instead of this process's own (every process's, combine_ranks)."""
+        steps = self.steps if steps is None else steps
+        real = sum(s["real"] for s in steps)
+        processed = sum(s["processed"] for s in steps)
+        seconds = sum(s["seconds"] for s in steps)
         return {"real_tokens": real, "processed_tokens": processed,
                 "token_efficiency": real / processed if processed else None,
-                "real_tokens_per_second": real / seconds if seconds else None}
+                "real_tokens_per_second": real / seconds if seconds else None,
+                **cost_summary(steps), "flop_weights": self.flops.weights}
 
 
-def _backbone(model):
-    """The decoder stack (transformers' `base_model`: the model without its head) of the model being trained.
-    Every training forward runs it with the batch's input_ids and attention_mask: the model's own forward, and the
-    fused-loss paths of TRL's Liger DPO/KTO/GRPO, which call it directly and never the model (nor peft's wrapper)."""
-    model = getattr(model, "policy", model)
-    if hasattr(model, "get_base_model"):  # a peft model: its own `base_model` is the tuner, not the decoder
-        model = model.get_base_model()
-    return getattr(model, "base_model", model)
+# Per-step records of processes that trained together: counts and FLOPs add up, a step lasts as long as its
+# slowest process, and peak memory is the largest process's.
+LONGEST = ("seconds", "peak_rss_bytes", "cuda_peak_bytes")
+
+
+def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """The job's per-step records from each process's (snaketrl.train.run.gather_steps)."""
+    combined = []
+    for records in zip(*per_rank):
+        step = {"step": records[0]["step"]}
+        for key in records[0]:
+            if key != "step":
+                values = [r[key] for r in records if key in r]
+                step[key] = max(values) if key in LONGEST else sum(values)
+        combined.append(step)
+    return combined
 
 
 def _embeddings(model):

@@ -14,8 +14,8 @@ What TRL 1.12 exposes, and how this hooks in:
   wandb/comet. Here `generate_completions` is wrapped and the table captured as it becomes a DataFrame.
 - Other trainers sample nothing during training: `attach` returns None.
 
-Use, in train_run, after the trainer is built (the live file survives a crash and a resume keeps the rows
-of steps before its checkpoint):
+Use, in train_run, after the trainer is built (the live file survives a crash; train_run's
+snaketrl.train.checkpoints.Attempt cuts it back to the rows its checkpoint had, and marks the log reconciled):
     sampler = training_samples.attach(trainer, checkpoint_dir / "training_samples.jsonl", run["name"])
     ... train ...
     training_samples.finish(checkpoint_dir / "training_samples.jsonl", out_dir / "training_samples.jsonl")
