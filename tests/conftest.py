@@ -8,6 +8,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    # README's test line runs two pytest-xdist workers (--dist loadgroup): the tests of the one real workflow
+    # run share a worker, so that run happens once while the other worker takes the rest.
+    for item in items:
+        if "workflow_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("workflow"))
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("cuda"):
         import torch

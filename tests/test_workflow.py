@@ -48,6 +48,9 @@ def test_report_lists_every_run(workflow_run):
     for run in [f"{t}-{m}" for t in ("sft", "dpo", "reward", "grpo", "ppo") for m in ("qwen2-tiny", "pythia-tiny")]:
         assert f'id="{run}"' in html
         assert f"<th>{run}</th>" in html
+        # What decides the run's rounding, from its manifest (two runs that differ only there are explained).
+        numerics = json.loads((workflow_run / paths.run_file(run, "manifest.json")).read_text())["numerics"]
+        assert f"cpu_capability {numerics['cpu_capability']}, " in html and numerics["dtype"] == "float32"
 
 
 @pytest.mark.slow
