@@ -1,4 +1,6 @@
+import ast
 import copy
+import os
 from pathlib import Path
 
 import learning
@@ -7,13 +9,40 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Workers share the cores: torch's threads of one would spin while the other's run (set before torch loads).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(
+        os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-def pytest_collection_modifyitems(config, items):
-    # README's test line runs two pytest-xdist workers (--dist loadgroup): the tests of the one real workflow
-    # run share a worker, so that run happens once while the other worker takes the rest.
-    for item in items:
-        if "workflow_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("workflow"))
+
+def _tests_taking(fixture: str) -> set[str]:
+    """'tests/<file>::<test>' of every test function that takes `fixture`, read from the sources (the
+    scheduler below runs in pytest-xdist's controller, which collects nothing)."""
+    found = set()
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
+                    fixture in [a.arg for a in node.args.args]:
+                found.add(f"{path.relative_to(ROOT).as_posix()}::{node.name}")
+    return found
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """README's test line runs two pytest-xdist workers (-n 2): every test of the one real workflow run goes to
+    one worker, so that run happens once while the other worker takes the rest. (xdist's own `loadgroup` can't
+    do it under pytest 9: it renames items through an attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":
+        return None
+    shared = _tests_taking("workflow_run")
+
+    class WorkflowRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "workflow_run" if nodeid.split("[")[0] in shared else nodeid
+
+    return WorkflowRunScheduling(config, log)
 
 
 def pytest_runtest_setup(item):
