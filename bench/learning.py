@@ -64,8 +64,9 @@ def workflow(workdir: Path, config: dict, seed: int, trainers: list[str], path: 
     models = config["matrix"]["models"]
     runs = [f"{t}-{m}" for t in trainers for m in models if t in config["matrix"]["trainers"]]
     targets = [paths.run_file(r, name) for r in runs for name in ("trainer_state.json", "metrics.json")]
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--rerun-incomplete", *targets], cwd=workdir,
-                          env=environment(path), capture_output=True, text=True)
+    # --rerun-incomplete: a kept directory's run may have been cut short
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--rerun-incomplete", *targets],
+                          cwd=workdir, env=environment(path), capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{path} seed {seed}: the workflow failed:\n{proc.stderr[-3000:]}")
     files = {run: (paths.run_file(run, "trainer_state.json"), paths.run_file(run, "metrics.json")) for run in runs}
