@@ -74,7 +74,8 @@ WORKFLOW: dict[str, list[Check]] = {
 }
 
 # The unit tests that assert learning (bench/learning.py --unit runs them with SNAKETRL_TEST_SEED). The three
-# kernel paths gave the same values here to the last digit.
+# kernel paths gave the same values here to the last digit, and so did one thread (OMP_NUM_THREADS=1, as README
+# line 2's workers run them) against two.
 UNIT: dict[str, Check] = {
     # worst +0.178 (seed 1), median +0.22
     "test_sft_loss_falls_on_learnable_toy": Check(
