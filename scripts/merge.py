@@ -1,5 +1,9 @@
-from snaketrl.models.merge import merge
-from snaketrl.smk import logged
+from snaketrl.imports import skip_bitsandbytes_without_cuda
+
+skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+
+from snaketrl.models.merge import merge  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):
     merge(snakemake.input.adapter, snakemake.input.base, snakemake.output[0], snakemake.params.settings["task_type"],

@@ -1,5 +1,9 @@
-from snaketrl.models.pretrain import pretrain_model
-from snaketrl.smk import logged
+from snaketrl.imports import skip_bitsandbytes_without_cuda
+
+skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+
+from snaketrl.models.pretrain import pretrain_model  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):
     out = snakemake.output

@@ -1,5 +1,9 @@
-from snaketrl.models.tiny import build_tiny_from_files
-from snaketrl.smk import logged
+from snaketrl.imports import skip_bitsandbytes_without_cuda
+
+skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+
+from snaketrl.models.tiny import build_tiny_from_files  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):
     tiny = snakemake.params.tiny

@@ -2,10 +2,14 @@ import json
 import os
 from pathlib import Path
 
-from snaketrl.errors import ConfigError
-from snaketrl.smk import logged
-from snaketrl.train import distributed
-from snaketrl.train.run import train_run
+from snaketrl.imports import skip_bitsandbytes_without_cuda
+
+skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+
+from snaketrl.errors import ConfigError  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
+from snaketrl.train import distributed  # noqa: E402
+from snaketrl.train.run import train_run  # noqa: E402
 
 with logged(snakemake):
     run = snakemake.params.run

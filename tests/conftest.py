@@ -96,12 +96,19 @@ def reward_dir(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory):
-    """The default workflow, run once to completion in a temporary copy of the project."""
-    from test_workflow import copy_project, snakemake
+    """The default workflow, run once to completion as users deploy it: a directory of their own holding a copy
+    of the default config and a Snakefile that uses this checkout as a module (tests/test_deploy.py). Nothing
+    may be written into the checkout."""
+    from test_deploy import checkout_files, user_directory
+    from test_workflow import snakemake
 
     from snaketrl import paths
 
-    wd = copy_project(tmp_path_factory.mktemp("wf"))
+    before = checkout_files()
+    wd = user_directory(tmp_path_factory.mktemp("wf") / "user")
     proc = snakemake(wd, paths.report())
     assert proc.returncode == 0, proc.stderr[-4000:]
+    after = checkout_files()
+    assert sorted(after.keys() ^ before.keys()) == [], "files written into (or removed from) the checkout"
+    assert [k for k in after if after[k] != before[k]] == [], "files of the checkout changed"
     return wd

@@ -105,7 +105,9 @@ def test_renamed_rules_keep_the_default_target(tmp_path, in_clone_counts):
 def test_a_copy_of_the_default_config_names_the_shipped_files_from_anywhere(tmp_path, untouched_checkout):
     """The train job reads the checkout's accelerate config, get_dataset the checkout's sample, the eval job
     the lm-eval task's data file: absolute paths, the same from every working directory."""
-    user = user_directory(tmp_path / "user")
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg["models"]["qwen2-tiny"]["tiny"]["corpus"].append("workflow:data/samples/firefly.jsonl")  # a shipped file
+    user = user_directory(tmp_path / "user", cfg)
     proc = snakemake(user, "-n", "--forceall", paths.report(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = {}
@@ -115,6 +117,7 @@ def test_a_copy_of_the_default_config_names_the_shipped_files_from_anywhere(tmp_
     assert f"{ROOT}/config/accelerate/ddp.yaml" in jobs[("train", "run=sft-qwen2-tiny")]
     assert jobs[("get_dataset", "dataset=tldr")] == [f"{ROOT}/data/samples/tldr.jsonl"]
     assert f"{ROOT}/data/samples/arithmetic.jsonl" in jobs[("evaluate", "evaluated=sft-qwen2-tiny")]
+    assert f"{ROOT}/data/samples/firefly.jsonl" in jobs[("tiny_model", "model=qwen2-tiny")]
 
 
 def test_a_relative_path_stays_the_users(tmp_path):
@@ -167,42 +170,30 @@ def test_snakedeploy_from_a_local_clone_plans_the_default_after_the_readme_fix(t
     assert job_counts(user) == in_clone_counts
 
 
-def reduced_config():
-    """The default cut to one tiny model, SFT alone, a short pretraining and an evaluation that still runs the
-    project's lm-eval task (its data file ships with the workflow): a minute on 2 cores."""
-    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    cfg["models"] = {"qwen2-tiny": cfg["models"]["qwen2-tiny"]}
-    tiny = cfg["models"]["qwen2-tiny"]["tiny"]
-    tiny["corpus"] = ["tldr", "workflow:data/samples/firefly.jsonl"]  # a dataset and a shipped file
-    tiny["pretrain"].update(steps=30)
-    cfg["datasets"] = {"tldr": cfg["datasets"]["tldr"]}
-    cfg["trainers"] = {"sft": {"dataset": "tldr", "args": {"max_steps": 4, "eval_on_start": True}}}
-    cfg["matrix"] = {"trainers": ["sft"], "models": ["qwen2-tiny"]}
-    cfg["evaluation"] = {"prompts": {"dataset": "tldr", "size": 4}, "generation": {"max_new_tokens": 8},
-                         "reward_funcs": ["format"], "lm_eval": {"tasks": ["snaketrl_arithmetic"], "limit": 2}}
-    return cfg
-
-
 @pytest.mark.slow
-def test_a_module_runs_end_to_end_in_the_users_directory(tmp_path, untouched_checkout):
-    user = user_directory(tmp_path / "user", reduced_config())
-    proc = snakemake(user, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_a_module_runs_end_to_end_in_the_users_directory(workflow_run, tmp_path):
+    """The one real workflow run (conftest.workflow_run) is such a deployment: results in the user's directory,
+    the checkout untouched (the fixture checks), and the shipped lm-eval task's data read from the checkout."""
+    user = workflow_run
     assert (user / paths.report()).is_file()
     assert (user / paths.run_file("sft-qwen2-tiny", "trainer_state.json")).is_file()
+    limit = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["evaluation"]["lm_eval"]["limit"]
     metrics = json.loads((user / paths.evaluation("sft-qwen2-tiny", "metrics.json")).read_text())
-    assert metrics["lm_eval"]["snaketrl_arithmetic"]["sample_len"] == 2  # read the shipped sample from here
+    assert metrics["lm_eval"]["snaketrl_arithmetic"]["sample_len"] == limit
     assert "Nothing to be done" in snakemake(user, "-n", timeout=120).stdout
 
     # Params and inputs do not depend on where the user's directory is, nor on how the workflow is run:
     # moved elsewhere (as deep: the module's path is relative), or run with -s/-d and the same config,
-    # nothing is out of date.
+    # nothing is out of date. The directory moves back for the run's other tests.
     moved = shutil.move(user, tmp_path / "moved")
-    proc = snakemake(moved, "-n", timeout=120)
-    assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
-    proc = snakemake(tmp_path, "-n", "-s", str(ROOT / "Snakefile"), "-d", str(moved), "--configfile",
-                     str(moved / "config" / "config.yaml"), timeout=120)
-    assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+    try:
+        proc = snakemake(moved, "-n", timeout=120)
+        assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+        proc = snakemake(tmp_path, "-n", "-s", str(ROOT / "Snakefile"), "-d", str(moved), "--configfile",
+                         str(moved / "config" / "config.yaml"), timeout=120)
+        assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+    finally:
+        shutil.move(moved, user)
 
 
 def test_catalog_files_describe_every_top_level_key_and_the_usage():

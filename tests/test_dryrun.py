@@ -105,9 +105,9 @@ def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_
 
 
 def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
-    """config/smollm2.yaml offline: its 45 jobs planned (the wheel is only fetched when download_model runs); its
-    train, evaluate and merge jobs take all of --cores (2), models.<name>.threads lowers that, and the default's
-    tiny models keep one thread."""
+    """config/smollm2.yaml offline: its 45 jobs planned (the wheel is only fetched when download_model runs). A
+    real model's train, evaluate and merge jobs take all of --cores (2), models.<name>.threads lowers that (the
+    file sets 1: two jobs side by side), and the default's tiny models keep one thread."""
     wd = copy_project(tmp_path / "wf")
     counts = job_counts(wd, "--configfile", "config/smollm2.yaml")
     assert counts == {"download_model": 1, "get_dataset": 3, "preprocess": 5, "length_histogram": 5,
@@ -121,11 +121,11 @@ def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
         return sorted({(rule, int(m[1]) if (m := re.search(r"threads: (\d+)", body)) else 1) for rule, body in jobs
                        if rule in ("train", "evaluate", "merge", "pretrain")})
 
-    assert threads("--configfile", "config/smollm2.yaml") == [("evaluate", 2), ("merge", 2), ("train", 2)]
+    assert threads("--configfile", "config/smollm2.yaml") == [("evaluate", 1), ("merge", 1), ("train", 1)]
     cfg = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
-    cfg["models"]["smollm2"]["threads"] = 1
-    (wd / "one.yaml").write_text(yaml.safe_dump(cfg))
-    assert threads("--configfile", "one.yaml") == [("evaluate", 1), ("merge", 1), ("train", 1)]
+    del cfg["models"]["smollm2"]["threads"]
+    (wd / "cores.yaml").write_text(yaml.safe_dump(cfg))
+    assert threads("--configfile", "cores.yaml") == [("evaluate", 2), ("merge", 2), ("train", 2)]
     assert threads() == [("evaluate", 1), ("merge", 1), ("pretrain", 1), ("train", 1)]
 
 
@@ -148,6 +148,7 @@ def test_processes_share_the_threads(tmp_path):
     threads = train_threads(tiny, 2)
     assert threads == {"sft-pythia-tiny": 2, "sft-qwen2-tiny": 2}  # the others take 1 (not printed)
     real = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
+    del real["models"]["smollm2"]["threads"]  # as --cores gives them
     real["trainers"]["sft"]["processes"] = 2
     threads = train_threads(real, 4)
     assert {r: t for r, t in threads.items() if r.startswith("sft-")} == {"sft-smollm2-seed1": 4,

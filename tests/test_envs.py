@@ -321,3 +321,23 @@ def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
         assert out["failed"] == [], f"{script.name} in {env.name}"
         assert out["snaketrl"] == str(ROOT / "scripts" / PKG / "__init__.py")
         assert out["rule"] == script.stem
+
+
+def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
+    """bitsandbytes serves only QLoRA (CUDA only) and costs every job about 3 s of imports: each script of the train
+    env tells peft and transformers it is absent, first thing, where no CUDA GPU is visible."""
+    for script in env_scripts()[ROOT / "envs" / "train.yaml"]:
+        body = ast.parse(script.read_text()).body
+        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr)
+                 and ast.unparse(node) == "skip_bitsandbytes_without_cuda()"]
+        ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "snaketrl.imports"
+                and (node.module or "").split(".")[0] == PKG]
+        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before it skips bitsandbytes"
+    check = ("import sys\nfrom snaketrl.imports import skip_bitsandbytes_without_cuda\nskip_bitsandbytes_without_cuda()\n"
+             "import peft, transformers\nfrom peft.import_utils import is_bnb_available\n"
+             "from transformers.utils import is_bitsandbytes_available\n"
+             "print(sys.modules['bitsandbytes'], is_bnb_available(), is_bitsandbytes_available())")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["None", "False", "False"]

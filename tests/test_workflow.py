@@ -139,12 +139,6 @@ def test_bad_config_fails_at_parse_time(tmp_path, change, message):
      "dataset 'firefly': trainer 'sft' needs columns (prompt, completion) or (messages) or (text); missing "
      "'prompt'; columns are ['kind', 'input', 'target']",
      paths.prepared("firefly", "sft", "train")),
-    # A short pretraining: the job only has to reach the model's layer names.
-    (lambda c: c["models"]["qwen2-tiny"]["lora"].update(target_modules=["query_key_value"])
-     or c["models"]["qwen2-tiny"]["tiny"]["pretrain"].update(steps=20),
-     paths.run_file("sft-qwen2-tiny", "trainer_state.json"),
-     "models.qwen2-tiny.lora.target_modules: ['query_key_value'] not in the model (Qwen2ForCausalLM)",
-     paths.adapter("sft-qwen2-tiny")),
 ])
 def test_bad_input_fails_with_one_line_and_leaves_no_output(tmp_path, change, target, message, absent):
     wd = copy_project(tmp_path / "wf")
@@ -153,6 +147,22 @@ def test_bad_input_fails_with_one_line_and_leaves_no_output(tmp_path, change, ta
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not (wd / absent).exists()
+
+
+@pytest.mark.slow
+def test_a_lora_target_the_model_lacks_fails_its_job_in_one_line_and_leaves_no_output(workflow_run, tmp_path):
+    """A copy of the finished run with the LoRA target edited: only the edited run's train job reruns, on the
+    pretrained model it already has, and fails as the model loads."""
+    wd = shutil.copytree(workflow_run, tmp_path / "user", symlinks=True)  # as deep: the module's path is relative
+    edit_config(wd, lambda c: c["models"]["qwen2-tiny"]["lora"].update(target_modules=["query_key_value"]))
+    weights = wd / paths.model("qwen2-tiny") / "model.safetensors"
+    built = weights.stat().st_mtime_ns
+    proc = snakemake(wd, paths.run_file("sft-qwen2-tiny", "trainer_state.json"), timeout=300)
+    assert proc.returncode != 0
+    assert "models.qwen2-tiny.lora.target_modules: ['query_key_value'] not in the model (Qwen2ForCausalLM)" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert not (wd / paths.adapter("sft-qwen2-tiny")).exists()
+    assert weights.stat().st_mtime_ns == built  # the pretrained base was not rebuilt
 
 
 def test_ppo_waits_for_its_reward_model_in_the_dag(tmp_path):
