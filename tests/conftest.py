@@ -99,7 +99,7 @@ def workflow_run(tmp_path_factory):
     """The default workflow, run once to completion as users deploy it: a directory of their own holding a copy
     of the default config and a Snakefile that uses this checkout as a module (tests/test_deploy.py). Nothing
     may be written into the checkout."""
-    from test_deploy import checkout_files, user_directory
+    from test_deploy import assert_untouched, checkout_files, user_directory
     from test_workflow import snakemake
 
     from snaketrl import paths
@@ -108,7 +108,5 @@ def workflow_run(tmp_path_factory):
     wd = user_directory(tmp_path_factory.mktemp("wf") / "user")
     proc = snakemake(wd, paths.report())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    after = checkout_files()
-    assert sorted(after.keys() ^ before.keys()) == [], "files written into (or removed from) the checkout"
-    assert [k for k in after if after[k] != before[k]] == [], "files of the checkout changed"
+    assert_untouched(before)
     return wd

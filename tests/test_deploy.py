@@ -58,14 +58,19 @@ def checkout_files():
     return out
 
 
+def assert_untouched(before):
+    """The checkout holds the files of `before` (checkout_files()), none of them changed."""
+    after = checkout_files()
+    assert sorted(after.keys() ^ before.keys()) == [], "files written into (or removed from) the checkout"
+    assert [k for k in after if after[k] != before[k]] == [], "files of the checkout changed"
+
+
 @pytest.fixture
 def untouched_checkout():
     """Fails the test if it wrote into the checkout (a results/ or .snakemake/ of its own, an edited file)."""
     before = checkout_files()
     yield
-    after = checkout_files()
-    assert sorted(after.keys() ^ before.keys()) == [], "files written into (or removed from) the checkout"
-    assert [k for k in after if after[k] != before[k]] == [], "files of the checkout changed"
+    assert_untouched(before)
 
 
 @pytest.fixture(scope="module")
