@@ -1,6 +1,6 @@
-from snaketrl.imports import skip_bitsandbytes_without_cuda
+from snaketrl.imports import start_job
 
-skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+start_job()  # first: before peft or transformers load
 
 from snaketrl.models.pretrain import pretrain_model  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402

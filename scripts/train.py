@@ -2,9 +2,9 @@ import json
 import os
 from pathlib import Path
 
-from snaketrl.imports import skip_bitsandbytes_without_cuda
+from snaketrl.imports import start_job
 
-skip_bitsandbytes_without_cuda()  # first: before peft or transformers load
+start_job()  # first: before peft or transformers load
 
 from snaketrl.errors import ConfigError  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402

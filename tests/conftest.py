@@ -27,22 +27,44 @@ def _tests_taking(fixture: str) -> set[str]:
     return found
 
 
+def _modules_with_module_fixtures() -> set[str]:
+    """'tests/<file>' of every test module that defines a module-scoped fixture (built once per worker)."""
+    found = set()
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("pytest.fixture") and any(
+                    k.arg == "scope" and ast.unparse(k.value) in ("'module'", '"module"') for k in node.keywords):
+                found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """README's test line runs two pytest-xdist workers (-n 2): every test of the one real workflow run goes to
-    one worker, so that run happens once while the other worker takes the rest. (xdist's own `loadgroup` can't
-    do it under pytest 9: it renames items through an attribute pytest 9 no longer reads.)"""
+    """README's test line runs two pytest-xdist workers (-n 2). Every test of the one real workflow run goes to
+    one worker, so that run happens once while the other worker takes the rest; likewise the tests of a module
+    with a module-scoped fixture (the 2-process trainings of tests/test_distributed_training.py: 45 s), which
+    would otherwise be built on both workers. Every other test is a unit of its own. (xdist's own `loadgroup`
+    can't do it under pytest 9: it renames items through an attribute pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     if config.getvalue("dist") != "load":
         return None
-    shared = _tests_taking("workflow_run")
+    shared, grouped = _tests_taking("workflow_run"), _modules_with_module_fixtures()
 
-    class WorkflowRunScheduling(LoadScopeScheduling):
+    class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "workflow_run" if nodeid.split("[")[0] in shared else nodeid
+            if nodeid.split("[")[0] in shared:
+                return "workflow_run"
+            module = nodeid.split("::")[0]
+            return module if module in grouped else nodeid
 
-    return WorkflowRunScheduling(config, log)
+    return SharedFixtureScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests first: the scheduler hands out units in collection order (after the groups of several tests),
+    so a test of minutes never starts last while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_runtest_setup(item):
@@ -110,3 +132,18 @@ def workflow_run(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_untouched(before)
     return wd
+
+
+def pytest_collection_finish(session):
+    """Most tests train or load a model in this process: torch, transformers and TRL (a million objects that
+    live as long as the process) are imported once here and frozen, so the cyclic collector stops walking them
+    after every test's garbage (snaketrl.imports.start_job does the same for a job)."""
+    import gc
+
+    from snaketrl.imports import skip_bitsandbytes_without_cuda
+
+    skip_bitsandbytes_without_cuda()
+    import transformers  # noqa: F401
+    from trl import SFTTrainer  # noqa: F401
+
+    gc.freeze()

@@ -12,6 +12,7 @@ from pathlib import Path
 from snaketrl.data.chat import as_chat, require_template
 from snaketrl.divergence import HINT, Diverged, finite
 from snaketrl.errors import ConfigError, DataError
+from snaketrl.imports import imports_done
 from snaketrl.evaluate.generation import generate
 from snaketrl.evaluate.harness import lm_eval_run, lm_eval_task_manager, project_task_files
 from snaketrl.evaluate.kinds import check_rows, score_name
@@ -91,6 +92,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     timing, metrics = {"checks": time.perf_counter() - started}, {}
     t = time.perf_counter()
     loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
+    imports_done()
     for kind, rows in rows_of.items():
         require_template(loaded.tokenizer, rows, kind in chat, model=target["model"], dataset=settings[kind]["dataset"],
                          where=where)

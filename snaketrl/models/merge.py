@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from snaketrl.imports import imports_done
 from snaketrl.io import atomic
 from snaketrl.models.gguf import SOURCE_FILE
 from snaketrl.models.tokenizer import prepare_tokenizer
@@ -24,6 +25,7 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
     tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir)
     kwargs = {"num_labels": 1} if task_type == "SEQ_CLS" else {}
     base = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(base_dir, **kwargs)
+    imports_done()
     prepare_tokenizer(tokenizer, base)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     with atomic(out_dir, directory=True) as tmp:

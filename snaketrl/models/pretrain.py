@@ -29,6 +29,7 @@ from pathlib import Path
 from snaketrl.data.formats import is_conversational
 from snaketrl.divergence import Diverged, Scanner, describe
 from snaketrl.errors import DataError
+from snaketrl.imports import imports_done
 
 CORPUS_SUFFIXES = (".jsonl", ".txt")
 
@@ -166,6 +167,7 @@ def pretrain(model_dir, corpus_files, out_dir, *, steps: int = 300, seed: int = 
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    imports_done()
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]

@@ -4,9 +4,9 @@ from snaketrl.train.distributed import die_with_parent
 
 die_with_parent()  # first: a launcher killed while this process imports takes it along too
 
-from snaketrl.imports import skip_bitsandbytes_without_cuda  # noqa: E402
+from snaketrl.imports import start_job  # noqa: E402
 
-skip_bitsandbytes_without_cuda()  # before peft or transformers load
+start_job()  # before peft or transformers load
 
 from snaketrl.train.run import main  # noqa: E402 - after the line above, on purpose
 

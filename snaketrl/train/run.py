@@ -13,6 +13,7 @@ from pathlib import Path
 
 from snaketrl.data.chat import chat_rows
 from snaketrl.errors import TrainingError
+from snaketrl.imports import imports_done
 from snaketrl.io import read_jsonl
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
@@ -199,6 +200,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 
     attempt.attach(trainer, counter, training_samples.attach(trainer, samples, run["name"]))
+    imports_done()
     try:
         metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
     except RuntimeError as err:
