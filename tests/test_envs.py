@@ -329,19 +329,22 @@ def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
 
 def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
     """bitsandbytes serves only QLoRA (CUDA only) and costs every job about 3 s of imports: each script of the train
-    env tells peft and transformers it is absent, first thing, where no CUDA GPU is visible."""
-    for script in env_scripts()[ROOT / "envs" / "train.yaml"]:
+    env (and each launched process) starts the job first thing, which tells peft and transformers it is absent
+    where no CUDA GPU is visible, and pauses the cyclic collector until the job's imports are done."""
+    launched = ROOT / "snaketrl" / "train" / "__main__.py"
+    for script in [*env_scripts()[ROOT / "envs" / "train.yaml"], launched]:
         body = ast.parse(script.read_text()).body
-        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr)
-                 and ast.unparse(node) == "skip_bitsandbytes_without_cuda()"]
+        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and ast.unparse(node) == "start_job()"]
         ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "snaketrl.imports"
-                and (node.module or "").split(".")[0] == PKG]
-        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before it skips bitsandbytes"
-    check = ("import sys\nfrom snaketrl.imports import skip_bitsandbytes_without_cuda\nskip_bitsandbytes_without_cuda()\n"
+                and (node.module or "").split(".")[0] == PKG
+                and not (script == launched and node.module == "snaketrl.train.distributed")]  # die_with_parent
+        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before it starts the job"
+    check = ("import gc, sys\nfrom snaketrl.imports import imports_done, start_job\nstart_job()\n"
              "import peft, transformers\nfrom peft.import_utils import is_bnb_available\n"
-             "from transformers.utils import is_bitsandbytes_available\n"
-             "print(sys.modules['bitsandbytes'], is_bnb_available(), is_bitsandbytes_available())")
+             "from transformers.utils import is_bitsandbytes_available\npaused = not gc.isenabled()\nimports_done()\n"
+             "print(sys.modules['bitsandbytes'], is_bnb_available(), is_bitsandbytes_available(), paused, "
+             "gc.isenabled(), gc.get_freeze_count() > 100000)")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["None", "False", "False"]
+    assert proc.stdout.split() == ["None", "False", "False", "True", "True", "True"]
