@@ -1,5 +1,9 @@
-from snaketrl.data.lengths import histogram
-from snaketrl.smk import logged
+from snaketrl.imports import pause_collector
+
+pause_collector()  # first: before transformers loads
+
+from snaketrl.data.lengths import histogram  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):
     w = snakemake.wildcards

@@ -1,5 +1,9 @@
-from snaketrl.data.lengths import tokenize_prompt_files
-from snaketrl.smk import logged
+from snaketrl.imports import pause_collector
+
+pause_collector()  # first: before transformers loads
+
+from snaketrl.data.lengths import tokenize_prompt_files  # noqa: E402
+from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):
     tokenize_prompt_files(snakemake.input.model, snakemake.input.lengths,

@@ -277,12 +277,46 @@ print(json.dumps({{"failed": failed, "snaketrl": snaketrl.__file__, "rule": snak
 """
 
 
+# pip's package sources as uv options: uv reads no pip configuration, and a machine's index, mirror or local
+# wheels (a CPU build of torch, say) are part of what `pip install` would take there.
+PIP_SOURCES = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+               "constraint": "--constraint"}
+
+
+def pip_sources(listed: str | None = None) -> list[str]:
+    """uv's options for the sources in `pip config list`'s output (this Python's pip, unless given)."""
+    if listed is None:
+        listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                                check=True).stdout
+    options = []
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name == "no-index" and ast.literal_eval(value).lower() in ("1", "true", "yes", "on"):
+            options.append("--no-index")
+        for item in ast.literal_eval(value).split() if name in PIP_SOURCES else []:
+            if [PIP_SOURCES[name], item] not in [options[i:i + 2] for i in range(len(options))]:
+                options += [PIP_SOURCES[name], item]
+    # pip takes the best matching version across all its indexes; uv's default stops at the first that has any
+    return options + ["--index-strategy", "unsafe-best-match"]
+
+
+def test_pip_sources_become_uv_options():
+    listed = ("global.cert='/etc/ssl/certs/ca.crt'\n:env:.find-links='/wheels'\nglobal.constraint='/etc/c.txt'\n"
+              "global.extra-index-url='file:///a/simple file:///b/simple'\nglobal.find-links='/wheels'\n")
+    assert pip_sources(listed) == ["--find-links", "/wheels", "--constraint", "/etc/c.txt", "--extra-index-url",
+                                   "file:///a/simple", "--extra-index-url", "file:///b/simple",
+                                   "--index-strategy", "unsafe-best-match"]
+    assert pip_sources("global.no-index='true'\n") == ["--no-index", "--index-strategy", "unsafe-best-match"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("env", ENVS, ids=lambda p: p.name)
 def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
     """conda's pip step in a fresh venv (no system packages), then each script's imports behind the
-    preamble, with PYTHONPATH unset as Snakemake does for conda jobs. pip's cache stays on: reruns
-    download nothing again (no --no-cache-dir), and --no-compile leaves bytecode to the imports."""
+    preamble, with PYTHONPATH unset as Snakemake does for conda jobs. uv installs the env's pip lines from
+    pip's own sources with pip's choice among indexes: the same packages as pip, in 12 s where pip took 60
+    (it unpacks 1.6 GB of wheels in one thread). Its cache stays on, and it leaves bytecode to the imports."""
     spec, pip = env_spec(env)
     if f"python={sys.version_info.major}.{sys.version_info.minor}" not in spec["dependencies"]:
         pytest.skip(f"{env.name} pins another Python than this one")
@@ -292,9 +326,10 @@ def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
     (tmp_path / "hash.yaml").write_text(env.read_text())
     (tmp_path / "condaenv.requirements.txt").write_text("\n".join(pip) + "\n")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=clean)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=clean)
     python = venv / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-compile", "-r", "condaenv.requirements.txt"],
+    proc = subprocess.run([sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python", str(python),
+                           *pip_sources(), "-r", "condaenv.requirements.txt"],
                           cwd=tmp_path, env=clean, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     site = next((venv / "lib").glob("python*/site-packages"))

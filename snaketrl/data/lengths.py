@@ -340,9 +340,11 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
     from transformers import AutoConfig, AutoTokenizer
 
     from snaketrl.data.chat import chat_rows
+    from snaketrl.imports import imports_done
     from snaketrl.io import atomic, read_jsonl, write_json
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    imports_done()
     cap = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
     chat = settings.get("chat", False)
     rows = chat_rows(read_jsonl(train_file), chat, tokenizer, model=model, dataset=dataset, where=title)
@@ -369,11 +371,12 @@ def tokenize_prompt_files(model_dir, lengths_file, splits: dict) -> None:
     where the length histogram (`lengths_file`) measured them so (its template checked there)."""
     from transformers import AutoTokenizer
 
+    from snaketrl.data.chat import as_chat
+    from snaketrl.imports import imports_done
     from snaketrl.io import read_json, read_jsonl, write_jsonl
 
-    from snaketrl.data.chat import as_chat
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    imports_done()
     lengths = read_json(lengths_file)
     max_length = lengths["max_length"]
     for split, (src, dst) in splits.items():
