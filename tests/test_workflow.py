@@ -30,9 +30,11 @@ def env(*paths):
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)])}
 
 
-def snakemake(workdir, *args, timeout=900):
+def snakemake(workdir, *args, timeout=900, nice=0):
+    """`nice`: added to the process's niceness (its jobs inherit it)."""
     return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout, env=env())
+                          capture_output=True, text=True, timeout=timeout, env=env(),
+                          preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def edit_config(workdir, change):
