@@ -31,10 +31,11 @@ def env(*paths):
 
 
 def snakemake(workdir, *args, timeout=900, nice=0):
-    """`nice`: added to the process's niceness (its jobs inherit it)."""
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout, env=env(),
-                          preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    """`nice`: added to the process's niceness (its jobs inherit it), through nice(1): a preexec_fn is unsafe in
+    a process with threads, as a pytest-xdist worker is."""
+    prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+    return subprocess.run([*prefix, sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=timeout, env=env())
 
 
 def edit_config(workdir, change):
