@@ -130,8 +130,9 @@ def workflow_run(tmp_path_factory):
     wd = user_directory(tmp_path_factory.mktemp("wf") / "user")
     # Its two jobs at a time yield to the other pytest-xdist worker's tests (niceness 10): while that worker is
     # busy they share one core, and its 2-process tests' ranks, which wait on each other, are not slowed by a
-    # third busy process; while it is idle they take both cores. (With one job at a time, the run took 590 s
-    # of the suite's 710 and the other worker idled at the end; with two, 499 s, and 1.5 CPU-minutes more.)
+    # third busy process; while it is idle they take both cores. (Measured on 2 cores: one job at a time, the
+    # suite 11 min 50 s and the other worker idle at the end; two at niceness 0, 11 min 56 s and 1.5 CPU-minutes
+    # more; two at niceness 10, 11 min 22 s.)
     proc = snakemake(wd, paths.report(), nice=10, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_untouched(before)

@@ -288,14 +288,15 @@ def pip_sources(listed: str | None = None) -> list[str]:
     if listed is None:
         listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                                 check=True).stdout
-    options = []
+    options, seen = [], set()
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         name = key.rsplit(".", 1)[-1]
         if name == "no-index" and ast.literal_eval(value).lower() in ("1", "true", "yes", "on"):
             options.append("--no-index")
         for item in ast.literal_eval(value).split() if name in PIP_SOURCES else []:
-            if [PIP_SOURCES[name], item] not in [options[i:i + 2] for i in range(len(options))]:
+            if (PIP_SOURCES[name], item) not in seen:  # pip lists a source once per place that sets it
+                seen.add((PIP_SOURCES[name], item))
                 options += [PIP_SOURCES[name], item]
     # pip takes the best matching version across all its indexes; uv's default stops at the first that has any
     return options + ["--index-strategy", "unsafe-best-match"]
