@@ -8,9 +8,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
+import snakemake_cli
 import yaml
 from test_dryrun import job_counts
 from test_workflow import copy_project, env, snakemake
@@ -93,8 +93,7 @@ def test_any_working_directory_runs_the_default(tmp_path, in_clone_counts, untou
 def test_a_module_of_the_users_workflow_runs_the_default(tmp_path, in_clone_counts, untouched_checkout):
     user = user_directory(tmp_path / "user")
     assert job_counts(user) == in_clone_counts
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=user, capture_output=True, text=True,
-                          env=env(), timeout=120)
+    proc = snakemake_cli.run(["--lint"], user, env(), 120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -7,11 +7,11 @@ import os
 import re
 import runpy
 import subprocess
-import sys
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
+import snakemake_cli
 import yaml
 
 from conftest import ROOT
@@ -216,9 +216,8 @@ def test_the_train_job_reads_its_modes_accelerate_config(tmp_path):
     cfg = yaml.safe_load((wd / "config/config.yaml").read_text())
     cfg["trainers"]["sft"]["distributed"] = "zero3"
     (wd / "edited.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "results/runs/sft-qwen2-tiny/adapter",
-                           "results/runs/dpo-qwen2-tiny/adapter", "--configfile", "edited.yaml"],
-                          cwd=wd, env=env(), capture_output=True, text=True, timeout=120)
+    proc = snakemake_cli.run(["-n", "results/runs/sft-qwen2-tiny/adapter", "results/runs/dpo-qwen2-tiny/adapter",
+                              "--configfile", "edited.yaml"], wd, env(), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     inputs = {}
     for block in proc.stdout.split("rule train:")[1:]:

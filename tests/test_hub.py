@@ -1,11 +1,9 @@
 """Download steps against a local "hub" (no network here), and the token's path."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+import snakemake_cli
 
 from snaketrl import paths
 from snaketrl.data.fetch import fetch
@@ -68,12 +66,10 @@ def test_hf_token_unset_parses_and_set_never_reaches_a_log(tmp_path):
     repo = fake_model_repo(tmp_path / "hub")
     edit_config(wd, lambda c: c["models"].update(hubby={"hub": str(repo), "lora": {"target_modules": ["q_proj"]}}))
     clean = {k: v for k, v in env().items() if k != "HF_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "all"], cwd=wd, env=clean, capture_output=True,
-                          text=True)
+    proc = snakemake_cli.run(["-n", "all"], wd, clean, 120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     secret = "hf_NotARealTokenButSecret123"
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", paths.model("hubby")], cwd=wd,
-                          env={**env(), "HF_TOKEN": secret}, capture_output=True, text=True)
+    proc = snakemake_cli.run(["--cores", "1", paths.model("hubby")], wd, {**env(), "HF_TOKEN": secret}, 300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert secret not in proc.stdout + proc.stderr
     for path in [*wd.rglob("*.log"), *wd.rglob("*.json")]:

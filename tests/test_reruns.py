@@ -9,10 +9,9 @@ below (which job reads what), closed downstream from the jobs an edit touches di
 import copy
 import csv
 import io
-import subprocess
-import sys
 
 import pytest
+import snakemake_cli
 import yaml
 from test_workflow import env
 
@@ -147,8 +146,7 @@ def scheduled(workdir, cfg, tmp_path):
     """Jobs Snakemake would run for `all` with this config, from its --summary plan."""
     config_file = tmp_path / "edited.yaml"
     config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--summary", "--nolock", "--configfile",
-                           str(config_file)], cwd=workdir, capture_output=True, text=True, env=env(), timeout=120)
+    proc = snakemake_cli.run(["--summary", "--nolock", "--configfile", str(config_file)], workdir, env(), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(io.StringIO(proc.stdout[proc.stdout.index("output_file"):]), delimiter="\t"))
     assert rows, proc.stdout[-2000:]

@@ -8,6 +8,7 @@ import sys
 
 import learning
 import pytest
+import snakemake_cli
 import yaml
 
 from conftest import ROOT
@@ -30,12 +31,9 @@ def env(*paths):
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)])}
 
 
-def snakemake(workdir, *args, timeout=900, nice=0):
-    """`nice`: added to the process's niceness (its jobs inherit it), through nice(1): a preexec_fn is unsafe in
-    a process with threads, as a pytest-xdist worker is."""
-    prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
-    return subprocess.run([*prefix, sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=timeout, env=env())
+def snakemake(workdir, *args, timeout=900, nice=0, environ=None):
+    """`snakemake --cores 2 *args` in `workdir` (`nice`: added to its niceness, which its jobs inherit)."""
+    return snakemake_cli.run(["--cores", "2", *args], workdir, environ or env(), timeout, nice)
 
 
 def edit_config(workdir, change):
