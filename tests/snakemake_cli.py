@@ -70,8 +70,9 @@ for line in sys.stdin:
         sys.exit(0)
     replies.write(json.dumps({"pid": pid}) + "\n")
     replies.flush()
-    _, status = os.waitpid(pid, 0)
-    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    _, status, usage = os.wait4(pid, 0)
+    replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status),
+                              "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
     replies.flush()
 """
 
@@ -109,6 +110,7 @@ class Zygote:
                 os.killpg(pid, signal.SIGKILL)
                 self._reply(60)
                 raise subprocess.TimeoutExpired(["snakemake", *args], timeout, out.read_text(), err.read_text())
+            cpu_seconds[0] += done["cpu_s"]
             return subprocess.CompletedProcess(["snakemake", *args], done["returncode"], out.read_text(),
                                                err.read_text())
 
@@ -118,6 +120,7 @@ class Zygote:
 
 
 _zygote: list[Zygote] = []
+cpu_seconds = [0.0]  # the commands' CPU time (with their jobs'), which the zygote's own rusage holds until it exits
 
 
 def run(args, cwd, env=None, timeout=900, nice=0) -> subprocess.CompletedProcess:
