@@ -54,7 +54,10 @@ for line in sys.stdin:
     request = json.loads(line)
     pid = os.fork()
     if pid == 0:
-        os.setsid()  # the command and its jobs: one process group, killed together on a timeout
+        # The command and its jobs: one process group, killed together on a timeout. Not a session of its own: with
+        # the kernel's autogroups, a new session gets its own equal share of the CPU, and its niceness then no
+        # longer yields to the other pytest worker.
+        os.setpgid(0, 0)
         os.nice(request["nice"])
         os.chdir(request["cwd"])
         os.environ.clear()
