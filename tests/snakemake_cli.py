@@ -30,7 +30,7 @@ WARM = ["snakemake.cli", "snakemake.dag", "snakemake.workflow", "snakemake.profi
         "argparse_dataclass", "packaging.version", "difflib", "graphlib"]
 
 ZYGOTE = r"""
-import gc, importlib, importlib.util, json, os, sys
+import gc, importlib, importlib.util, json, os, signal, sys
 
 for name in WARM:
     try:
@@ -49,11 +49,27 @@ MAIN = importlib.util.find_spec("snakemake.__main__").origin
 OWN_PATH = {"", *os.environ.get("PYTHONPATH", "").split(os.pathsep)}
 gc.freeze()  # what lives now is never walked again, in the zygote or any child
 
+running = []
+
+
+def forward(signum, frame):  # Ctrl-C or a kill reaches the command too, as it reaches pytest's own children
+    for pid in running:
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+    sys.exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, forward)
+signal.signal(signal.SIGTERM, forward)
 replies = os.fdopen(int(sys.argv[1]), "w")
 for line in sys.stdin:
     request = json.loads(line)
     pid = os.fork()
     if pid == 0:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # The command and its jobs: one process group, killed together on a timeout. Not a session of its own: with
         # the kernel's autogroups, a new session gets its own equal share of the CPU, and its niceness then no
         # longer yields to the other pytest worker.
@@ -71,9 +87,11 @@ for line in sys.stdin:
         snakemake.workflow.Workflow._rundir = request["cwd"]  # the one value Snakemake takes at import time
         snakemake.cli.main()  # as `python -m snakemake`: its SystemExit ends this process the usual way
         sys.exit(0)
+    running[:] = [pid]
     replies.write(json.dumps({"pid": pid}) + "\n")
     replies.flush()
     _, status, usage = os.wait4(pid, 0)
+    running.clear()
     replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status),
                               "cpu_s": usage.ru_utime + usage.ru_stime}) + "\n")
     replies.flush()
@@ -110,7 +128,10 @@ class Zygote:
             pid = self._reply(60)["pid"]
             done = self._reply(timeout)
             if done is None:
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended just now
+                    pass
                 self._reply(60)
                 raise subprocess.TimeoutExpired(["snakemake", *args], timeout, out.read_text(), err.read_text())
             cpu_seconds[0] += done["cpu_s"]
