@@ -25,9 +25,8 @@ from pathlib import Path
 # What a Snakemake command imports before and while it reads a Snakefile (measured: a dry run of the default
 # in a process that had imported these imported nothing else but the Snakefile's own), and its plugin
 # registries, which scan entry points and import every plugin (the SLURM executor's pulls in pandas).
-WARM = ["snakemake.cli", "snakemake.dag", "snakemake.workflow", "snakemake.profiles", "snakemake.storage",
-        "snakemake.utils", "smart_open", "jsonschema", "fastjsonschema", "nbformat", "platformdirs",
-        "argparse_dataclass", "packaging.version", "difflib", "graphlib"]
+WARM = ["snakemake.dag", "snakemake.profiles", "snakemake.storage", "snakemake.utils", "smart_open", "jsonschema",
+        "fastjsonschema", "nbformat", "platformdirs", "argparse_dataclass", "packaging.version", "difflib", "graphlib"]
 
 ZYGOTE = r"""
 import gc, importlib, importlib.util, json, os, signal, sys
@@ -144,7 +143,9 @@ class Zygote:
 
 
 _zygote: list[Zygote] = []
-cpu_seconds = [0.0]  # the commands' CPU time (with their jobs'), which the zygote's own rusage holds until it exits
+# The commands' CPU time with their jobs' (bench/cpu_per_test.py adds it to each test's): the zygote's own rusage
+# holds it only once the zygote exits.
+cpu_seconds = [0.0]
 
 
 def run(args, cwd, env=None, timeout=900, nice=0) -> subprocess.CompletedProcess:

@@ -316,8 +316,8 @@ def test_pip_sources_become_uv_options():
 def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
     """conda's pip step in a fresh venv (no system packages), then each script's imports behind the
     preamble, with PYTHONPATH unset as Snakemake does for conda jobs. uv installs the env's pip lines from
-    pip's own sources with pip's choice among indexes: the same packages as pip, in 12 s where pip took 60
-    (it unpacks 1.6 GB of wheels in one thread). Its cache stays on, and it leaves bytecode to the imports."""
+    pip's own sources with pip's choice among indexes: the same packages as pip, the train env in 46 s where
+    pip took 92 (pip unpacks 1.6 GB of wheels in one thread). Its cache stays on, and it leaves bytecode to the imports."""
     spec, pip = env_spec(env)
     if f"python={sys.version_info.major}.{sys.version_info.minor}" not in spec["dependencies"]:
         pytest.skip(f"{env.name} pins another Python than this one")

@@ -31,9 +31,9 @@ def env(*paths):
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)])}
 
 
-def snakemake(workdir, *args, timeout=900, nice=0, environ=None):
+def snakemake(workdir, *args, timeout=900, nice=0):
     """`snakemake --cores 2 *args` in `workdir` (`nice`: added to its niceness, which its jobs inherit)."""
-    return snakemake_cli.run(["--cores", "2", *args], workdir, environ or env(), timeout, nice)
+    return snakemake_cli.run(["--cores", "2", *args], workdir, env(), timeout, nice)
 
 
 def edit_config(workdir, change):

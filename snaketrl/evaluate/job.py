@@ -12,13 +12,13 @@ from pathlib import Path
 from snaketrl.data.chat import as_chat, require_template
 from snaketrl.divergence import HINT, Diverged, finite
 from snaketrl.errors import ConfigError, DataError
-from snaketrl.imports import imports_done
 from snaketrl.evaluate.generation import generate
 from snaketrl.evaluate.harness import lm_eval_run, lm_eval_task_manager, project_task_files
 from snaketrl.evaluate.kinds import check_rows, score_name
 from snaketrl.evaluate.likelihood import KL_ESTIMATOR, completion_nll, kl_to_reference, preference_accuracy
 from snaketrl.evaluate.loading import load_for_eval
 from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scores, reward_model_scores, win_rate
+from snaketrl.imports import imports_done
 from snaketrl.io import read_jsonl, write_json, write_jsonl
 
 log = logging.getLogger("snaketrl.evaluate")
