@@ -473,6 +473,47 @@ def test_lm_eval_runs_the_project_task_offline(loaded, monkeypatch):
     assert got["snaketrl_arithmetic"]["sample_len"] == 4
 
 
+@pytest.mark.parametrize("num_fewshot", [None, 2])
+def test_lm_eval_run_asks_what_simple_evaluate_asks_and_starts_no_process(loaded, monkeypatch, num_fewshot):
+    """lm_eval_run is lm-eval's simple_evaluate without its environment report (`pip list`, `git` and more, 1.7 s
+    of every eval job): the same requests and the same answers, and no command started."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import subprocess
+
+    from lm_eval.models.huggingface import HFLM
+
+    from snaketrl.evaluate.loading import max_positions
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    manager = lm_eval_task_manager(["snaketrl_arithmetic"])
+    ours, evaluate = [], lm_eval.evaluate
+
+    def logged(**kwargs):
+        ours.append(evaluate(**{**kwargs, "log_samples": True}))
+        return ours[-1]
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"started {args[0]!r}")
+
+    monkeypatch.setattr(lm_eval, "evaluate", logged)
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_process)
+    got = lm_eval_run(loaded.model, loaded.tokenizer, ["snaketrl_arithmetic"], limit=6, batch_size=4, seed=3,
+                      num_fewshot=num_fewshot, task_manager=manager)
+    monkeypatch.undo()
+    inner = loaded.model.get_base_model()
+    theirs = lm_eval.simple_evaluate(
+        model=HFLM(pretrained=inner, tokenizer=loaded.tokenizer, batch_size=4, max_length=max_positions(inner)),
+        tasks=["snaketrl_arithmetic"], task_manager=manager, limit=6, num_fewshot=num_fewshot, log_samples=True,
+        bootstrap_iters=0, random_seed=3, numpy_random_seed=3, torch_random_seed=3, fewshot_random_seed=3)
+    fields = lambda result: [(s["arguments"], s["resps"]) for s in result["samples"]["snaketrl_arithmetic"]]  # noqa: E731
+    assert len(fields(ours[0])) == 6 and fields(ours[0]) == fields(theirs)
+    [[(context, _)], _] = fields(ours[0])[0]
+    assert context.count("Question:") == 1 + (num_fewshot or 0)  # the question after its shots
+    assert got == {k: {m: v for m, v in theirs["results"][k].items() if m in ("sample_len", "exact_match,final-number")}
+                   for k in theirs["results"]}
+
+
 def test_project_task_data_is_an_input_and_the_job_reads_the_copy_it_is_given():
     """The arithmetic task's data ships with the workflow: the eval job gets the workflow's copy as an input
     (from any working directory) and lm-eval loads the task with that file; other tasks go by name."""

@@ -157,21 +157,37 @@ def lm_eval_task_manager(tasks, include_path=LM_EVAL_TASKS_DIR):
 def lm_eval_run(model, tokenizer, tasks, *, limit=None, batch_size: int = 8, num_fewshot=None, seed: int = 0,
                 task_manager=None, max_length: int | None = None, data_files: dict[str, str] | None = None,
                 chat: bool = False) -> dict:
-    """lm-eval's simple_evaluate on a loaded model (a peft model is passed with its adapter active); `chat`: a chat
+    """lm-eval's tasks on a loaded model (a peft model is passed with its adapter active); `chat`: a chat
     model, whose requests lm-eval renders in its chat template.
     Returns {task: {metric,filter: value}} (stderr entries dropped). Project tasks read their data files from
     `data_files` (a file as the task's YAML names it -> where it is: see project_task_files); without it,
-    relative to the working directory (the clone's root, as in the tests)."""
+    relative to the working directory (the clone's root, as in the tests).
+
+    What `lm_eval.simple_evaluate` does for an LM object (seeds, few-shot settings, then `lm_eval.evaluate`),
+    without its environment report: that runs `pip list`, `git` and nine more commands (torch's collect_env),
+    1.7 s of every eval job for facts the run's manifest already records."""
+    import random
+
+    import numpy as np
+    import torch
+
     lm_eval, HFLM, _ = _import_lm_eval()
     task_manager = task_manager or lm_eval_task_manager(tasks)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA layers stay active
     lm = HFLM(pretrained=inner, tokenizer=tokenizer, batch_size=batch_size,
               max_length=max_length or max_positions(inner))
-    results = lm_eval.simple_evaluate(model=lm, tasks=task_specs(tasks, data_files), task_manager=task_manager,
-                                      limit=limit, num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
-                                      **({"apply_chat_template": True} if chat else {}),
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    loaded = task_manager.load(task_specs(tasks, data_files))
+    for task in loaded["tasks"].values():
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=seed)
+    results = lm_eval.evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=False, bootstrap_iters=0,
+                               apply_chat_template=chat, fewshot_as_multiturn=True)
     out = {}
     for task, values in results["results"].items():
         out[task] = {k: v for k, v in values.items()
