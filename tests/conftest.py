@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_runtest_setup(item):
+    if "workflow_run" not in item.fixturenames:
+        load_training_libraries()
     if item.get_closest_marker("cuda"):
         import torch
 
@@ -139,10 +141,15 @@ def workflow_run(tmp_path_factory):
     return wd
 
 
-def pytest_collection_finish(session):
+def load_training_libraries() -> None:
     """Most tests train or load a model in this process: torch, transformers and TRL (a million objects that
-    live as long as the process) are imported once here and frozen, so the cyclic collector stops walking them
-    after every test's garbage (snaketrl.imports.start_job does the same for a job)."""
+    live as long as the process) are imported once, before the first such test, and frozen, so the cyclic
+    collector stops walking them after every test's garbage (snaketrl.imports.start_job does the same for a job).
+    The tests of the one workflow run need none of them: the worker that runs it starts it without this 8 s of
+    imports, and imports them only if other tests come its way."""
+    if _loaded:
+        return
+    _loaded.append(True)
     import gc
 
     from snaketrl.imports import skip_bitsandbytes_without_cuda
@@ -152,3 +159,6 @@ def pytest_collection_finish(session):
     from trl import SFTTrainer  # noqa: F401
 
     gc.freeze()
+
+
+_loaded: list[bool] = []
