@@ -43,11 +43,8 @@ def pytest_xdist_make_scheduler(config, log):
     """README's test line runs two pytest-xdist workers (-n 2). Every test of the one real workflow run goes to
     one worker, so that run happens once while the other worker takes the rest; likewise the tests of a module
     with a module-scoped fixture (the 2-process trainings of tests/test_distributed_training.py: 45 s), which
-    would otherwise be built on both workers. Every other test is a unit of its own, the tests that only read
-    the finished run (READ_ONLY) too: they come last, so the other worker, once out of work, takes its share of
-    them and waits for the run (the `workflow_run` fixture) instead of idling while one worker reads it alone.
-    (xdist's own `loadgroup` can't do it under pytest 9: it renames items through an attribute pytest 9 no
-    longer reads.)"""
+    would otherwise be built on both workers. Every other test is a unit of its own. (xdist's own `loadgroup`
+    can't do it under pytest 9: it renames items through an attribute pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     if config.getvalue("dist") != "load":
@@ -56,7 +53,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if nodeid.split("[")[0] in shared and not read_only(nodeid):
+            if nodeid.split("[")[0] in shared:
                 return "workflow_run"
             module = nodeid.split("::")[0]
             return module if module in grouped else nodeid
@@ -64,20 +61,10 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
-# Tests that only read the finished workflow run (dry runs with --nolock): they may run beside its other tests,
-# on either worker.
-READ_ONLY = {"tests/test_reruns.py"}
-
-
-def read_only(nodeid: str) -> bool:
-    return nodeid.split("::")[0] in READ_ONLY
-
-
 def pytest_collection_modifyitems(items):
     """Slow tests first: the scheduler hands out units in collection order (after the groups of several tests),
-    so a test of minutes never starts last while the other worker idles. The tests that only read the workflow
-    run last: a worker that takes one waits for the run."""
-    items.sort(key=lambda item: (read_only(item.nodeid), item.get_closest_marker("slow") is None))
+    so a test of minutes never starts last while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_runtest_setup(item):
@@ -132,35 +119,10 @@ def reward_dir(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def workflow_run(tmp_path_factory, request):
+def workflow_run(tmp_path_factory):
     """The default workflow, run once to completion as users deploy it: a directory of their own holding a copy
     of the default config and a Snakefile that uses this checkout as a module (tests/test_deploy.py). Nothing
-    may be written into the checkout. Once per session: under pytest-xdist the first worker to ask runs it while
-    holding a lock in the session's directory, and a worker that asks meanwhile waits, then reads where it is
-    (or how it failed: the run is never repeated)."""
-    worker = getattr(request.config, "workerinput", None)
-    if worker is None:
-        return _run_workflow(tmp_path_factory)
-    import fcntl
-    import json
-
-    shared = tmp_path_factory.getbasetemp().parent  # the session's directory, one per run of pytest
-    done = shared / "workflow_run.json"
-    with open(shared / "workflow_run.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
-        if not done.exists():
-            try:
-                done.write_text(json.dumps({"dir": str(_run_workflow(tmp_path_factory))}))
-            except BaseException as err:
-                done.write_text(json.dumps({"failed": f"{type(err).__name__}: {err}"[-4000:]}))
-                raise
-    result = json.loads(done.read_text())
-    if "failed" in result:
-        pytest.fail(f"the workflow run failed on another worker: {result['failed']}")
-    return Path(result["dir"])
-
-
-def _run_workflow(tmp_path_factory) -> Path:
+    may be written into the checkout."""
     from test_deploy import assert_untouched, checkout_files, user_directory
     from test_workflow import snakemake
 

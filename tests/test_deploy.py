@@ -187,14 +187,17 @@ def test_a_module_runs_end_to_end_in_the_users_directory(workflow_run, tmp_path)
     assert "Nothing to be done" in snakemake(user, "-n", timeout=120).stdout
 
     # Params and inputs do not depend on where the user's directory is, nor on how the workflow is run:
-    # copied elsewhere with its times (as deep: the module's path is relative), or run with -s/-d and the same
-    # config, nothing is out of date. A copy: the run's other tests may be reading it meanwhile.
-    moved = shutil.copytree(user, tmp_path / "moved", symlinks=True)
-    proc = snakemake(moved, "-n", timeout=120)
-    assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
-    proc = snakemake(tmp_path, "-n", "-s", str(ROOT / "Snakefile"), "-d", str(moved), "--configfile",
-                     str(moved / "config" / "config.yaml"), timeout=120)
-    assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+    # moved elsewhere (as deep: the module's path is relative), or run with -s/-d and the same config,
+    # nothing is out of date. The directory moves back for the run's other tests.
+    moved = shutil.move(user, tmp_path / "moved")
+    try:
+        proc = snakemake(moved, "-n", timeout=120)
+        assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+        proc = snakemake(tmp_path, "-n", "-s", str(ROOT / "Snakefile"), "-d", str(moved), "--configfile",
+                         str(moved / "config" / "config.yaml"), timeout=120)
+        assert "Nothing to be done" in proc.stdout, proc.stdout[-3000:]
+    finally:
+        shutil.move(moved, user)
 
 
 def test_catalog_files_describe_every_top_level_key_and_the_usage():
