@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import TrainerCallback
-
 from snaketrl.config import check
 from snaketrl.io import read_jsonl, write_json, write_jsonl
 from snaketrl.trainers import REGISTRY
@@ -36,25 +34,30 @@ ARGS = {
 DATASETS = {"sft": "tldr", "dpo": "hh", "reward": "descriptiveness", "grpo": "arithmetic", "ppo": "descriptiveness"}
 
 
-class FirstForward(TrainerCallback):
-    """The input ids of the first forward pass of the model being trained (generation's prefill for GRPO and
-    PPO, the policy's or reference's pass for the others): what the model reads."""
+def first_forward():
+    """A callback recording the input ids of the first forward pass of the model being trained (generation's
+    prefill for GRPO and PPO, the policy's or reference's pass for the others): what the model reads. Built
+    when needed: transformers' Trainer is 8 s of imports at collection time on every pytest worker."""
+    from transformers import TrainerCallback
 
-    def __init__(self):
-        self.ids = None
-        self._hook = None
+    class FirstForward(TrainerCallback):
+        def __init__(self):
+            self.ids = None
+            self._hook = None
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from snaketrl.train.tokens import _embeddings
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            from snaketrl.train.tokens import _embeddings
 
-        def first(module, inputs):
-            if self.ids is None:
-                self.ids = inputs[0].tolist()
+            def first(module, inputs):
+                if self.ids is None:
+                    self.ids = inputs[0].tolist()
 
-        self._hook = _embeddings(model).register_forward_pre_hook(first)
+            self._hook = _embeddings(model).register_forward_pre_hook(first)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        self._hook.remove()
+        def on_train_end(self, args, state, control, **kwargs):
+            self._hook.remove()
+
+    return FirstForward()
 
 
 def config_for(model_name: str, model_entry: dict, trainer: str, steps: int) -> dict:
@@ -105,7 +108,7 @@ def first_training_ids(trainer: str, model_name: str, model_entry: dict, model_d
         tokenize_prompt_files(model_dir, work / "lengths.json",
                               {s: (work / f"{s}.jsonl", work / f"{s}.ids.jsonl") for s in ("train", "eval")})
     suffix = ".ids.jsonl" if REGISTRY[trainer].tokenized else ".jsonl"
-    seen = FirstForward()
+    seen = first_forward()
     train_run(run, model_dir=model_dir, train_file=work / f"train{suffix}", eval_file=work / f"eval{suffix}",
               lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
               reward_dir=reward_dir, callbacks=[seen], threads=threads)

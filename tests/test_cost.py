@@ -1,15 +1,13 @@
 """Training FLOPs counted from forward hooks (snaketrl.train.cost), checked against the formula by hand."""
 
 import pytest
-import torch
-
-from snaketrl.train.cost import FlopMeter, cost_summary, linear_weights, query_key_pairs
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB, RANK = 64, 128, 2, 4, 2, 1024, 16
 
 
 @pytest.fixture(scope="module")
 def lora_model():
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -33,6 +31,8 @@ def forward_flops(tokens, pairs, head_tokens, lora=True):
 
 
 def test_weights_are_the_linear_layers_lora_included_embedding_excluded(lora_model):
+    from snaketrl.train.cost import FlopMeter, linear_weights
+
     meter = FlopMeter()
     handles = meter.hook({"policy": lora_model})
     try:
@@ -45,6 +45,10 @@ def test_weights_are_the_linear_layers_lora_included_embedding_excluded(lora_mod
 
 
 def test_trained_reference_and_generation_passes_count_what_they_compute(lora_model):
+    import torch
+
+    from snaketrl.train.cost import FlopMeter
+
     meter = FlopMeter()
     handles = meter.hook({"policy": lora_model})
     ids = torch.randint(0, VOCAB, (3, 10))
@@ -71,6 +75,10 @@ def test_trained_reference_and_generation_passes_count_what_they_compute(lora_mo
 
 
 def test_query_key_pairs_of_padding_free_and_cached_forwards():
+    import torch
+
+    from snaketrl.train.cost import query_key_pairs
+
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])  # three packed sequences: 3, 2 and 4 tokens
     assert query_key_pairs((), {"input_ids": torch.zeros(1, 9), "position_ids": positions}) == (9, 9 + 4 + 16)
     assert query_key_pairs((), {"input_ids": torch.zeros(2, 5), "attention_mask": torch.ones(2, 7)}) == (10, 70)
@@ -83,6 +91,8 @@ def test_query_key_pairs_of_padding_free_and_cached_forwards():
 
 
 def test_summary_totals_and_cumulative_curve_over_restored_steps():
+    from snaketrl.train.cost import cost_summary
+
     steps = [{"step": 1, "seconds": 1.5, "flops_trained": 100, "flops_forward_only": 20, "forward_only_tokens": 4,
               "peak_rss_bytes": 10},
              {"step": 2, "seconds": 0.5, "flops_trained": 100, "flops_forward_only": 30, "forward_only_tokens": 6,

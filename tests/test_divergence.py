@@ -9,8 +9,6 @@ from test_trainers import prepare
 
 from snaketrl.divergence import HINT, Divergence, Diverged, describe, first_divergence
 from snaketrl.smk import logged
-from snaketrl.train.guard import MARKER, DivergenceGuard, watched
-from snaketrl.train.run import train_run
 
 NAN, INF = float("nan"), float("inf")
 
@@ -37,6 +35,8 @@ def test_zero_loss_after_an_overflow_is_nan_under_fp16_loss_scaling():
 
 
 def test_infinite_eval_loss_and_headline_metrics_diverge():
+    from snaketrl.train.guard import watched
+
     assert first_divergence([{"loss": 2.0, "step": 2}, {"eval_loss": INF, "step": 2}]) == Divergence(
         2, "eval_loss is inf", ("loss", 2.0, 2))
     dpo = [{"loss": 0.69, "rewards/margins": 0.1, "step": 1}, {"eval_rewards/margins": -INF, "step": 1}]
@@ -45,6 +45,8 @@ def test_infinite_eval_loss_and_headline_metrics_diverge():
 
 
 def test_finite_logs_do_not_diverge():
+    from snaketrl.train.guard import watched
+
     # GRPO's loss is exactly 0.0 at its first steps; PPO logs val/ratio_var NaN for a single minibatch.
     grpo = [{"loss": 0.0, "grad_norm": 0.4, "reward": 14.5, "step": 1}, {"loss": 0.03, "grad_norm": 0.5, "step": 2}]
     ppo = [{"loss/policy_avg": -0.01, "objective/kl": 0.0, "val/ratio_var": NAN, "step": 1}]
@@ -102,6 +104,8 @@ def _loss(key: str) -> str:
 def _stopped_where_it_says(message: str, inputs) -> int:
     """The step the message names: where the marker's log ends with the named value non-finite, before any
     output was written and with the checkpoints before it kept."""
+    from snaketrl.train.guard import MARKER
+
     step, key = re.search(r"diverged at step (\d+): (\S+) is", message).groups()
     saved = json.loads((inputs["checkpoint_dir"] / MARKER).read_text())
     assert saved["message"] == message and saved["step"] == int(step)
@@ -121,6 +125,8 @@ def _kept_before(step: int, inputs) -> None:
 
 @pytest.mark.parametrize("trainer", CASES)
 def test_planted_learning_rate_stops_training_with_one_line(trainer, tmp_path, config, tiny_model_dir, reward_dir):
+    from snaketrl.train.run import train_run
+
     extra, key = CASES[trainer]
     inputs = _planted(tmp_path, config, tiny_model_dir, trainer, reward_dir)
     inputs["run"]["args"].update(extra)
@@ -131,6 +137,9 @@ def test_planted_learning_rate_stops_training_with_one_line(trainer, tmp_path, c
 
 
 def test_ppo_sampling_from_a_broken_policy_is_divergence(tmp_path, config, tiny_model_dir, reward_dir):
+    from snaketrl.train.guard import MARKER
+    from snaketrl.train.run import train_run
+
     # One epoch per update: the broken policy shows first when the next update samples from it.
     inputs = _planted(tmp_path, config, tiny_model_dir, "ppo", reward_dir)
     inputs["run"]["args"].update(total_episodes=32)
@@ -144,6 +153,9 @@ def test_ppo_sampling_from_a_broken_policy_is_divergence(tmp_path, config, tiny_
 
 
 def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config, tiny_model_dir, caplog):
+    from snaketrl.train.guard import MARKER
+    from snaketrl.train.run import train_run
+
     inputs = _planted(tmp_path, config, tiny_model_dir, "sft")
     with pytest.raises(Diverged) as first:
         train_run(**inputs)
@@ -165,6 +177,9 @@ def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config
 
 def test_a_finite_run_is_untouched(tmp_path, config, tiny_model_dir, monkeypatch):
     from transformers import TrainerCallback
+
+    from snaketrl.train.guard import DivergenceGuard, MARKER
+    from snaketrl.train.run import train_run
 
     def run(name):
         inputs = prepare(tmp_path / name, config, tiny_model_dir, "sft")

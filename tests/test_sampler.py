@@ -5,10 +5,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from snaketrl.data.lengths import batch_efficiency, length_grouped_batches, length_grouped_order
-from snaketrl.train.sampler import ShuffledLengthGroupedSampler
 
 
 def _skewed(n, seed=1):
@@ -17,12 +15,16 @@ def _skewed(n, seed=1):
 
 
 def _order(lengths, batch_size=8, seed=3, epoch=0):
+    from snaketrl.train.sampler import ShuffledLengthGroupedSampler
+
     sampler = ShuffledLengthGroupedSampler(batch_size, lengths=lengths.tolist(), seed=seed)
     sampler.set_epoch(epoch)
     return list(sampler)
 
 
 def test_a_permutation_reproducible_per_seed_and_epoch():
+    from snaketrl.train.sampler import ShuffledLengthGroupedSampler
+
     lengths = _skewed(41)
     order = _order(lengths)
     assert sorted(order) == list(range(41))
@@ -55,6 +57,7 @@ def test_batches_sorted_longest_first_short_batch_last():
 
 def test_groups_a_small_dataset_that_transformers_leaves_random():
     from transformers.trainer_pt_utils import get_length_grouped_indices
+    import torch
 
     lengths = _skewed(41)
     ours = [batch_efficiency(lengths, lengths, 8, _order(lengths, seed=s)) for s in range(5)]
@@ -68,6 +71,10 @@ def test_groups_a_small_dataset_that_transformers_leaves_random():
 
 @pytest.mark.parametrize("n", [41, 1000])
 def test_the_length_stage_estimates_this_sampler(n):
+    import torch
+
+    from snaketrl.train.sampler import ShuffledLengthGroupedSampler
+
     lengths = _skewed(n)
     sampler = ShuffledLengthGroupedSampler(8, lengths=lengths.tolist(), seed=5)
     # Its batches are length_grouped_batches of its permutation, in another order.
@@ -82,14 +89,15 @@ def test_the_length_stage_estimates_this_sampler(n):
 
 
 def test_training_uses_it_and_measures_the_estimate(config, tiny_model_dir, tmp_path):
+    from conftest import ROOT
     from transformers import TrainerCallback
 
-    from conftest import ROOT
     from snaketrl.config import check
     from snaketrl.data.lengths import histogram
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import read_jsonl, write_jsonl
     from snaketrl.train.run import train_run
+    from snaketrl.train.sampler import ShuffledLengthGroupedSampler
 
     class Seen(TrainerCallback):
         samplers = []

@@ -7,8 +7,6 @@ import math
 import re
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from snaketrl.config import ConfigError, check
 from snaketrl.train.fields import init_fields
@@ -18,6 +16,7 @@ from test_trainers import prepare
 
 def _qwen(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch
 
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -26,6 +25,8 @@ def _qwen(seed=0):
 
 def _batch():
     """Right-padded rows of very different lengths: row groups split them in two."""
+    import torch
+
     lens, width = [48, 44, 5, 3], 48
     ids, mask = torch.zeros(4, width, dtype=torch.long), torch.zeros(4, width, dtype=torch.long)
     g = torch.Generator().manual_seed(1)
@@ -39,6 +40,7 @@ def _fused_loss_forward(model):
     """What Liger's fused linear cross-entropy returns under TRL's SFTTrainer (no logits; the loss and the batch's
     token accuracy as one number each), computed in plain torch: Liger's Triton kernels need a GPU."""
     from transformers.utils import ModelOutput
+    import torch.nn.functional as F
 
     def forward(input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -56,6 +58,8 @@ def _fused_loss_forward(model):
 
 @pytest.mark.parametrize("num_items", [False, True])
 def test_row_groups_recombine_a_fused_loss_token_accuracy(num_items):
+    import torch
+
     from snaketrl.train.batching import split_rows
 
     ids, mask, labels = _batch()
@@ -107,6 +111,7 @@ def test_ppo_trains_a_4bit_policy_in_bf16(tmp_path, tiny_model_dir):
     from peft import LoraConfig, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig
+    import torch
 
     from snaketrl.models.tokenizer import prepare_tokenizer
     from snaketrl.train.loading import load_model, quantization_config
@@ -297,6 +302,8 @@ def test_packed_sequences_stay_apart_on_cuda_in_bf16(attention, tiny_model_dir):
     """What the CUDA choice rests on: a padding-free packed row (position_ids restarting per sequence, no
     attention mask, as TRL's collator builds it) gives each sequence the loss it has alone, to bf16 rounding."""
     from transformers import AutoModelForCausalLM
+    import torch
+    import torch.nn.functional as F
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=attention).cuda().eval()
