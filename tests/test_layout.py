@@ -75,3 +75,18 @@ def test_the_layers_are_the_rule_files():
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert stages <= packages, f"rule files without a package: {sorted(stages - packages)}"
     assert packages <= set(LAYERS), f"packages outside the layer picture: {sorted(packages - set(LAYERS))}"
+
+
+def test_collecting_the_tests_imports_no_training_library():
+    """Each pytest worker imports every test module before its first test. torch, transformers, TRL or peft imported
+    at a test module's top level (directly or through snaketrl.train) cost each worker about 10 s there, and the
+    worker that runs the workflow starts it that much later."""
+    import subprocess
+    import sys
+
+    modules = sorted(path.stem for path in (ROOT / "tests").glob("test_*.py"))
+    code = ("import sys; sys.path.insert(0, 'tests'); import conftest; " + "; ".join(f"import {m}" for m in modules)
+            + "; print(sorted(m for m in ('peft', 'torch', 'transformers', 'trl') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[]"
