@@ -1,5 +1,6 @@
 import ast
 import copy
+import functools
 import os
 from pathlib import Path
 
@@ -141,15 +142,13 @@ def workflow_run(tmp_path_factory):
     return wd
 
 
+@functools.cache
 def load_training_libraries() -> None:
     """Most tests train or load a model in this process: torch, transformers and TRL (a million objects that
     live as long as the process) are imported once, before the first such test, and frozen, so the cyclic
     collector stops walking them after every test's garbage (snaketrl.imports.start_job does the same for a job).
     The tests of the one workflow run need none of them: the worker that runs it starts it without this 8 s of
     imports, and imports them only if other tests come its way."""
-    if _loaded:
-        return
-    _loaded.append(True)
     import gc
 
     # bitsandbytes stays importable, unlike in a job (snaketrl.imports): a test trains a 4-bit policy on its CPU backend.
@@ -158,5 +157,3 @@ def load_training_libraries() -> None:
 
     gc.freeze()
 
-
-_loaded: list[bool] = []

@@ -56,8 +56,8 @@ def test_batches_sorted_longest_first_short_batch_last():
 
 
 def test_groups_a_small_dataset_that_transformers_leaves_random():
-    from transformers.trainer_pt_utils import get_length_grouped_indices
     import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
 
     lengths = _skewed(41)
     ours = [batch_efficiency(lengths, lengths, 8, _order(lengths, seed=s)) for s in range(5)]

@@ -15,8 +15,8 @@ from test_trainers import prepare
 
 
 def _qwen(seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -39,8 +39,8 @@ def _batch():
 def _fused_loss_forward(model):
     """What Liger's fused linear cross-entropy returns under TRL's SFTTrainer (no logits; the loss and the batch's
     token accuracy as one number each), computed in plain torch: Liger's Triton kernels need a GPU."""
-    from transformers.utils import ModelOutput
     import torch.nn.functional as F
+    from transformers.utils import ModelOutput
 
     def forward(input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -107,11 +107,11 @@ def test_ppo_trains_a_4bit_policy_in_bf16(tmp_path, tiny_model_dir):
     """The GPU run's `expected scalar type Float but found BFloat16` in lm_head, reproduced on CPU with
     bitsandbytes' CPU backend: TRL's PPO runs without autocast, and a 4-bit policy's norms stay fp32 while its
     lm_head is cast to bf16. snaketrl.train.ppo runs TRL's loop under bf16 autocast."""
+    import torch
     from datasets import Dataset
     from peft import LoraConfig, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig
-    import torch
 
     from snaketrl.models.tokenizer import prepare_tokenizer
     from snaketrl.train.loading import load_model, quantization_config
@@ -301,9 +301,9 @@ def test_every_trainer_under_every_switch_on_cuda(trainer, switch, tmp_path, con
 def test_packed_sequences_stay_apart_on_cuda_in_bf16(attention, tiny_model_dir):
     """What the CUDA choice rests on: a padding-free packed row (position_ids restarting per sequence, no
     attention mask, as TRL's collator builds it) gives each sequence the loss it has alone, to bf16 rounding."""
-    from transformers import AutoModelForCausalLM
     import torch
     import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=attention).cuda().eval()
