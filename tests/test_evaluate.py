@@ -478,6 +478,13 @@ def test_lm_eval_run_asks_what_simple_evaluate_asks_and_starts_no_process(loaded
     """lm_eval_run is lm-eval's simple_evaluate without its environment report (`pip list`, `git` and more, 1.7 s
     of every eval job): the same requests and the same answers, and no command started; with a chat model, the
     shots and the question as turns in its template."""
+    context = assert_lm_eval_run_is_simple_evaluate(loaded.model, loaded.tokenizer, num_fewshot, chat, monkeypatch)
+    assert context.count("<|im_start|>user") == (1 + num_fewshot if chat else 0)  # one turn per shot, multiturn
+
+
+def assert_lm_eval_run_is_simple_evaluate(model, tokenizer, num_fewshot, chat, monkeypatch, limit=6) -> str:
+    """lm_eval_run's requests, answers and metrics are simple_evaluate's, and it starts no process; returns the
+    first request's context (the tiny models here, SmolLM2 in tests/test_real.py)."""
     lm_eval = pytest.importorskip("lm_eval")
     import subprocess
 
@@ -497,24 +504,24 @@ def test_lm_eval_run_asks_what_simple_evaluate_asks_and_starts_no_process(loaded
     def no_process(*args, **kwargs):
         raise AssertionError(f"started {args[0]!r}")
 
-    monkeypatch.setattr(lm_eval, "evaluate", logged)
-    monkeypatch.setattr(subprocess.Popen, "__init__", no_process)
-    got = lm_eval_run(loaded.model, loaded.tokenizer, ["snaketrl_arithmetic"], limit=6, batch_size=4, seed=3,
-                      num_fewshot=num_fewshot, task_manager=manager, chat=chat)
-    monkeypatch.undo()
-    inner = loaded.model.get_base_model()
+    with monkeypatch.context() as patch:
+        patch.setattr(lm_eval, "evaluate", logged)
+        patch.setattr(subprocess.Popen, "__init__", no_process)
+        got = lm_eval_run(model, tokenizer, ["snaketrl_arithmetic"], limit=limit, batch_size=4, seed=3,
+                          num_fewshot=num_fewshot, task_manager=manager, chat=chat)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     theirs = lm_eval.simple_evaluate(
-        model=HFLM(pretrained=inner, tokenizer=loaded.tokenizer, batch_size=4, max_length=max_positions(inner)),
-        tasks=["snaketrl_arithmetic"], task_manager=manager, limit=6, num_fewshot=num_fewshot, log_samples=True,
+        model=HFLM(pretrained=inner, tokenizer=tokenizer, batch_size=4, max_length=max_positions(inner)),
+        tasks=["snaketrl_arithmetic"], task_manager=manager, limit=limit, num_fewshot=num_fewshot, log_samples=True,
         bootstrap_iters=0, random_seed=3, numpy_random_seed=3, torch_random_seed=3, fewshot_random_seed=3,
         apply_chat_template=chat)
     fields = lambda result: [(s["arguments"], s["resps"]) for s in result["samples"]["snaketrl_arithmetic"]]  # noqa: E731
-    assert len(fields(ours[0])) == 6 and fields(ours[0]) == fields(theirs)
+    assert len(fields(ours[0])) == limit and fields(ours[0]) == fields(theirs)
     [[(context, _)], _] = fields(ours[0])[0]
     assert context.count("Question:") == 1 + (num_fewshot or 0)  # the question after its shots
-    assert context.count("<|im_start|>user") == (1 + num_fewshot if chat else 0)  # one turn per shot, multiturn
     assert got == {k: {m: v for m, v in theirs["results"][k].items() if m in ("sample_len", "exact_match,final-number")}
                    for k in theirs["results"]}
+    return context
 
 
 def test_project_task_data_is_an_input_and_the_job_reads_the_copy_it_is_given():

@@ -112,3 +112,17 @@ def test_evaluation_prompts_smollm2_in_its_chat_template(smollm2, tmp_path, monk
     ids = first_eval_prompt_ids("smollm2", smollm2, tmp_path, monkeypatch)
     assert decoded(AutoTokenizer.from_pretrained(smollm2), ids) == FIRST["grpo"][0]
     assert ids == SYSTEM_IDS + AFTER_SYSTEM["grpo"]
+
+
+def test_lm_eval_asks_smollm2_in_its_chat_template_as_simple_evaluate_does(smollm2, monkeypatch):
+    """The yardstick's lm-eval task on the chat model: its 2 shots and the question as user and assistant turns of
+    its template, the same requests and answers as lm-eval's simple_evaluate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from test_evaluate import assert_lm_eval_run_is_simple_evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    context = assert_lm_eval_run_is_simple_evaluate(model, AutoTokenizer.from_pretrained(smollm2), 2, True,
+                                                    monkeypatch, limit=4)
+    assert context.startswith(SYSTEM) and context.count("<|im_start|>user\nQuestion:") == 3
+    assert context.count("<|im_start|>assistant\n") == 3 and context.endswith("<|im_start|>assistant\n")
