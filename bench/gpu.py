@@ -7,21 +7,23 @@ chat turns, as the workflow gives them):
   trl         TRL's SFTTrainer / DPOTrainer written plainly, with their defaults (random batches padded to their
               longest, TRL's activation checkpointing on), the same rows, model, LoRA, max_length and epochs
   trl-packed  the same with packing=True (SFT only)
+  trl-tuned   packing=True and activation checkpointing off: what a user who tunes TRL writes (SFT only)
   snaketrl    the workflow's train_run with the length stage's `auto` choice for this device and the
               checkpointing it chooses from memory
-Prints real (non-pad) tokens per second of training steps, token efficiency, the CPU seconds of the training loop
-(on a shared CPU the steadier measure: other load stretches wall time, not a one-thread process's CPU time), peak
-GPU memory, an MFU estimate, the eval loss (mean ± std over seeds), and the ratios against TRL's defaults, with the
-device's name.
+Prints real (non-pad) tokens per second of training steps (each step timed after the GPU finished its work),
+token efficiency, the CPU seconds of the training loop (on a shared CPU the steadier measure: other load stretches
+wall time, not a one-thread process's CPU time), peak GPU memory, an MFU estimate, the eval loss (mean ± std over
+seeds), and the ratios against TRL's defaults, with the device's name and torch's version.
 
     python bench/gpu.py                                    # on a GPU machine: the table for the README
     python bench/gpu.py --configfile bench/smollm2.yaml --max-steps 6     # SmolLM2 on CPU (docs/real-model.md)
     python bench/gpu.py --configfile config/config.yaml --runs sft-qwen2-tiny dpo-qwen2-tiny   # a CPU smoke run
 
-MFU counts the model FLOPs of the real tokens only (padding is waste, not work): a LoRA step with a frozen base
-costs per token 2N for the forward, 2N for the input gradients (the frozen weights need none) and 2N more for
-the forward that checkpointing recomputes, N the parameters every token passes through (decoder layers and
-the output head), plus attention's scores and weighted sum over the sequence (causal: half of them).
+MFU = the FLOPs of the work done / training seconds / the card's dense bf16 peak. The FLOPs are those every run
+records (snaketrl.train.cost, docs/evaluation.md): per forward on t tokens with p query-key pairs
+F = 2·N·t + 4·L·d·p; a trained forward adds its backward, 2·N·t + 8·L·d·p + 2·N_trainable·t; forwards without
+gradients (DPO's reference pass) count F. Padding the kernels compute counts as work done, so token efficiency
+shows the waste; activation checkpointing's recomputed forward does not count (it is not the model's work).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from efficiency import (  # noqa: E402
     spread,
 )
 
-ARMS = ("trl", "trl-packed", "snaketrl")
+ARMS = ("trl", "trl-packed", "trl-tuned", "snaketrl")
+PACKED = ("trl-packed", "trl-tuned")
 # Dense bf16 peaks (no sparsity) from the vendors' data sheets, matched on torch.cuda.get_device_name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0,
                "L4": 121.0, "A10": 125.0}
@@ -61,22 +64,48 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def train_flops_per_token(config: dict, seq_len: float, checkpointing: bool) -> float:
-    """Model FLOPs of one trained token of a LoRA run on a decoder of `config` (its config.json), in sequences
-    of `seq_len` tokens on average."""
-    text = config.get("text_config", config)
-    h, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
-    heads = text["num_attention_heads"]
-    head_dim = text.get("head_dim") or h // heads
-    kv = text.get("num_key_value_heads") or heads
-    inter = text.get("intermediate_size") or 4 * h
-    gated = text.get("model_type") not in ("gpt_neox", "gpt2")  # SwiGLU: gate, up and down projections
-    attention = 2 * h * heads * head_dim + 2 * h * kv * head_dim
-    mlp = (3 if gated else 2) * h * inter
-    params = layers * (attention + mlp) + h * vocab
-    passes = 3 if checkpointing else 2
-    scores = 2 * 2 * layers * heads * head_dim * seq_len / 2  # QK^T and AV, causal
-    return passes * (2 * params + scores)
+def profiler(out: str, skip: int = 2, steps: int = 3):
+    """A callback that profiles optimizer steps skip+1 .. skip+steps and writes, to `out`, the share of their wall
+    time the GPU was busy and the operators and kernels that took it (torch.profiler)."""
+    import time
+
+    import torch
+    from transformers import TrainerCallback
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
+
+    class Profile(TrainerCallback):
+        def __init__(self):
+            self.prof, self.started, self.seen = None, None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.seen += 1
+            if self.seen == skip + 1:
+                sync()
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.__enter__()
+                self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is None or self.seen != skip + steps:
+                return
+            sync()
+            wall = time.perf_counter() - self.started
+            self.prof.__exit__(None, None, None)
+            events = self.prof.key_averages()
+            # Kernels only: an operator's row repeats the time of the kernels it launched.
+            kernels = sum(e.self_device_time_total for e in events
+                          if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+            with open(out, "w") as f:
+                f.write(f"{steps} steps: {wall:.3f} s wall, GPU kernels {kernels:.3f} s ({kernels / wall:.0%} busy)\n\n")
+                f.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+                f.write("\n")
+                f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+            self.prof = None
+
+    return Profile()
 
 
 def plain_trl(job: dict) -> dict:
@@ -95,24 +124,29 @@ def plain_trl(job: dict) -> dict:
     cuda = torch.cuda.is_available()
     bf16 = cuda and torch.cuda.is_bf16_supported()
     args = {key: value for key, value in run["args"].items() if key not in ("activation_checkpointing",)}
+    tuned = {"trl-packed": {"packing": True},
+             "trl-tuned": {"packing": True, "activation_checkpointing": False}}.get(job["arm"], {})
     config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"], max_length=job["max_length"],
-                               bf16=bf16, **({"packing": True} if job["arm"] == "trl-packed" else {}),
-                               **{**args, **job["schedule"]})
+                               bf16=bf16, **{**args, **job["schedule"], **tuned})
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
+    attention = run["model_entry"].get("attn_implementation")
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                 **({"attn_implementation": attention} if attention else {}))
     counter, clock = TokenCounter(tokenizer.pad_token_id), cpu_clock()
+    extra = [profiler(job["profile"])] if job.get("profile") else []
     rows = {split: read_jsonl(job[split]) for split in ("train", "eval")}  # the workflow's rows, as chats where it
     rows = {split: as_chat(r) if run.get("chat") else r for split, r in rows.items()}  # gives them so
     trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
                                  train_dataset=Dataset.from_list(rows["train"]),
                                  eval_dataset=Dataset.from_list(rows["eval"]),
                                  peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]),
-                                 callbacks=[counter, clock])
+                                 callbacks=[counter, clock, *extra])
+    counter.watch(trainer)  # DPO's reference forwards count, as in train_run
     metrics = dict(trainer.train().metrics)
     metrics.update(counter.summary(), cpu_s=clock.seconds)
     metrics.update(trainer.evaluate())
     metrics.update(activation_checkpointing=config.activation_checkpointing,
-                   batching="packed" if job["arm"] == "trl-packed" else "padded")
+                   batching="packed" if job["arm"] in PACKED else "padded")
     return metrics
 
 
@@ -127,7 +161,8 @@ def snaketrl_choice(job: dict) -> dict:
     clock = cpu_clock()
     metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
                         lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
-                        threads=job.get("threads"), callbacks=[clock])
+                        threads=job.get("threads"),
+                        callbacks=[clock, *([profiler(job["profile"])] if job.get("profile") else [])])
     return {**metrics, "cpu_s": clock.seconds}
 
 
@@ -140,12 +175,10 @@ def worker(job_file: str) -> None:
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     metrics = (snaketrl_choice if job["arm"] == "snaketrl" else plain_trl)(job)
-    config = json.loads((Path(job["model_dir"]) / "config.json").read_text())
-    seq_len = metrics["real_tokens"] / max(1, job["examples"] * (2 if job["run"]["trainer"] == "dpo" else 1))
-    flops = train_flops_per_token(config, seq_len, bool(metrics.get("activation_checkpointing")))
     from snaketrl.manifest import cpu_model
 
     device = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    device += f", torch {torch.__version__}"
     peak = peak_flops(device) if cuda else None
     print("RESULT " + json.dumps({
         "arm": job["arm"], "batching": metrics.get("batching"), "device": device,
@@ -154,7 +187,9 @@ def worker(job_file: str) -> None:
         "epoch_s": metrics["train_runtime"], "cpu_s": metrics["cpu_s"], "eval_loss": metrics["eval_loss"],
         "train_loss": metrics.get("train_loss"), "real_tokens": metrics["real_tokens"],
         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-        "mfu": metrics["real_tokens_per_second"] * flops / peak if peak else None}), flush=True)
+        "flops": metrics["flops"], "train_s": metrics["train_seconds"],
+        "mfu": metrics["flops"] / metrics["train_seconds"] / peak if peak and metrics["train_seconds"] else None}),
+        flush=True)
 
 
 def measure(job: dict) -> dict:
@@ -214,6 +249,9 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="*", type=int, default=[42])
     ap.add_argument("--max-steps", type=int, help="train this many steps instead of one epoch")
     ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
+    ap.add_argument("--attention", help="attn_implementation of every arm's model (e.g. flex_attention; default: "
+                                        "the config's, else transformers' sdpa)")
+    ap.add_argument("--profile", type=Path, help="a folder: each arm's steps 3-5 profiled into <run>-<arm>.txt (GPU)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-gpu"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args()
@@ -227,6 +265,8 @@ def main() -> None:
     from snaketrl.io import read_jsonl, write_jsonl
     from snaketrl.trainers import REGISTRY
 
+    if opts.profile:
+        opts.profile.mkdir(parents=True, exist_ok=True)
     configfile = opts.configfile.resolve()
     os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
     config, runs = load_config(configfile)
@@ -237,6 +277,8 @@ def main() -> None:
     schedule = {**EPOCH, "max_steps": opts.max_steps} if opts.max_steps else EPOCH
     for name in names:
         run = runs[name]
+        if opts.attention:
+            run = {**run, "model_entry": {**run["model_entry"], "attn_implementation": opts.attention}}
         model_dir = base_model(config, run["model"], opts.work)
         train, evals = prepared(config, run, opts.work)
         if run.get("eval_rows"):  # every arm evaluates on the rows train_run would
@@ -249,13 +291,14 @@ def main() -> None:
                               dataset=run["dataset"])  # every arm trains at its max_length
         results = {}
         for arm in opts.arms:
-            if arm == "trl-packed" and "packed" not in REGISTRY[run["trainer"]].batching:
+            if arm in PACKED and "packed" not in REGISTRY[run["trainer"]].batching:
                 continue
             for seed in opts.seeds:
                 job = {"run": run, "arm": arm, "seed": seed, "settings": settings, "model_dir": str(model_dir),
                        "schedule": schedule, "threads": opts.threads,
                        "train": str(train), "eval": str(evals), "max_length": stats["max_length"],
-                       "examples": len(read_jsonl(train)), "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
+                       "work": str(opts.work / "runs" / name / f"{arm}-{seed}"),
+                       "profile": str(opts.profile / f"{name}-{arm}.txt") if opts.profile else None}
                 result = measure(job)
                 device = result.get("device", device)
                 print(f"{name} {arm} seed {seed}: {result}", file=sys.stderr, flush=True)

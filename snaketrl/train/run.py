@@ -115,8 +115,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     lengths = json.loads(Path(lengths_file).read_text())
     checkpoint_dir = Path(checkpoint_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The length stage's choice for this device (histograms written before it chose one: TRL's default).
-    choice = lengths.get("batching_by_device", {}).get(device) or lengths.get("batching", {})
+    # The length stage's choice for this device; a histogram written before it chose one gets TRL's default.
+    choice = lengths.get("batching_by_device", {}).get(device)
+    if choice is None and "batching" in lengths:  # an older histogram's: a CPU's choice (row groups)
+        if device != "cpu":
+            raise TrainingError(f"{lengths_file}: no batching choice for {device}, only a CPU's ('batching', from "
+                                f"an older snaketrl); rerun the histogram: snakemake --forcerun length_histogram")
+        choice = lengths["batching"]
+    choice = choice or {}
     batching, split = choice.get("args", {}), choice.get("split_rows", False)
     check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
     check_switches(run["trainer"], run["args"], f"run '{run['name']}'", run["model"], run["model_entry"])

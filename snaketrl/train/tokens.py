@@ -42,7 +42,8 @@ class TokenCounter(TrainerCallback):
             return
         mask = kwargs.get("attention_mask")
         real = mask.sum() if mask is not None and mask.dim() == 2 else (ids != self.pad_token_id).sum()
-        self._real += int(real)
+        # Kept on the device until the step ends: int() here would wait for the GPU on every forward.
+        self._real = self._real + real.detach()
 
     def _count_processed(self, module, args):
         if torch.is_grad_enabled():
@@ -55,13 +56,16 @@ class TokenCounter(TrainerCallback):
         self._started = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        _synchronize()
         self._started = time.perf_counter()
         self.flops.reset()  # evaluation and logging since the last step are no training cost
 
     def on_step_end(self, args, state, control, **kwargs):
-        # A loop without on_step_begin (PPO's) times each step from the end of the one before.
+        # A loop without on_step_begin (PPO's) times each step from the end of the one before. The GPU's queued
+        # work belongs to the step: without waiting for it, the clock reads when the kernels were launched.
+        _synchronize()
         now = time.perf_counter()
-        self.steps.append({"step": state.global_step, "real": self._real, "processed": self._processed,
+        self.steps.append({"step": state.global_step, "real": int(self._real), "processed": self._processed,
                            "seconds": now - self._started, **self.flops.take(), **peak_memory()})
         self._real = self._processed = 0
         self._started = now
@@ -102,6 +106,11 @@ def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
                 step[key] = max(values) if key in LONGEST else sum(values)
         combined.append(step)
     return combined
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _embeddings(model):

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (issue 25): the cuda-marked tests, the memory estimate against measured peaks,
+# and bench/gpu.py, each under its own time limit, everything they print kept under $OUT.
+# Before the call, here (the machine reaches no registry and gets none of ../shared):
+#   bash ../shared/gpu/make-wheels.sh liger-kernel==0.8.5       # .whl/, git-ignored; drop what the call needs not
+#   mkdir -p shared/data && cp -r ../shared/data/{lima-llamafactory,hh-rlhf-harmless-base} shared/data/
+#   (and '/shared/' in .git/info/exclude: the rows travel, never into the repository)
+# Then: device run, carry [".whl", "shared"], command "bash bench/gpu_session.sh".
+# Limits in seconds (environment): TESTS_S, MEMORY_S, BENCH_S; BENCH_ARGS for bench/gpu.py.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 || exit
+[ -e ../shared ] || ln -s "$PWD/shared" ../shared  # bench/gpu.yaml's paths, as beside a checkout
+out=${OUT:-/tmp/gpu-session}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, trl, peft, bitsandbytes; print('torch', torch.__version__, 'cuda',
+torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__,
+'bitsandbytes', bitsandbytes.__version__)"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+SECONDS=0
+timeout "${TESTS_S:-240}" python3 -m pytest -m cuda -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE \
+  --junitxml="$out/cuda.xml" tests/ > "$out/cuda.txt" 2>&1
+echo "cuda tests: exit $?, ${SECONDS} s"; tail -25 "$out/cuda.txt"
+SECONDS=0
+timeout "${MEMORY_S:-90}" python3 bench/memory.py > "$out/memory.md" 2>&1
+echo "memory: exit $?, ${SECONDS} s"; grep '^|' "$out/memory.md"
+SECONDS=0
+# shellcheck disable=SC2086
+timeout "${BENCH_S:-270}" python3 bench/gpu.py ${BENCH_ARGS:---max-steps 15} > "$out/bench.md" 2> "$out/bench.log"
+echo "bench: exit $?, ${SECONDS} s"; cat "$out/bench.md"; grep -E "seed [0-9]+:|failed|Error" "$out/bench.log" | cut -c1-600
