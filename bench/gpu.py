@@ -18,6 +18,7 @@ seeds), and the ratios against TRL's defaults, with the device's name and torch'
     python bench/gpu.py                                    # on a GPU machine: the table for the README
     python bench/gpu.py --configfile bench/smollm2.yaml --max-steps 6     # SmolLM2 on CPU (docs/real-model.md)
     python bench/gpu.py --configfile config/config.yaml --runs sft-qwen2-tiny dpo-qwen2-tiny   # a CPU smoke run
+    python bench/gpu.py --arms snaketrl --attention flex_attention --args '{"use_liger_kernel": true}'  # variants
 
 MFU = the FLOPs of the work done / training seconds / the card's dense bf16 peak. The FLOPs are those every run
 records (snaketrl.train.cost, docs/evaluation.md): per forward on t tokens with p query-key pairs
@@ -251,6 +252,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
     ap.add_argument("--attention", help="attn_implementation of every arm's model (e.g. flex_attention; default: "
                                         "the config's, else transformers' sdpa)")
+    ap.add_argument("--args", type=json.loads, default={},
+                    help='TRL args set in every arm, as JSON (e.g. \'{"use_liger_kernel": true}\')')
     ap.add_argument("--profile", type=Path, help="a folder: each arm's steps 3-5 profiled into <run>-<arm>.txt (GPU)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-gpu"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -279,6 +282,8 @@ def main() -> None:
         run = runs[name]
         if opts.attention:
             run = {**run, "model_entry": {**run["model_entry"], "attn_implementation": opts.attention}}
+        if opts.args:
+            run = {**run, "args": {**run["args"], **opts.args}}
         model_dir = base_model(config, run["model"], opts.work)
         train, evals = prepared(config, run, opts.work)
         if run.get("eval_rows"):  # every arm evaluates on the rows train_run would

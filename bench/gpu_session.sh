@@ -6,7 +6,9 @@
 #   mkdir -p shared/data && cp -r ../shared/data/{lima-llamafactory,hh-rlhf-harmless-base} shared/data/
 #   (and '/shared/' in .git/info/exclude: the rows travel, never into the repository)
 # Then: device run, carry [".whl", "shared"], command "bash bench/gpu_session.sh".
-# Limits in seconds (environment): TESTS_S, MEMORY_S, BENCH_S; BENCH_ARGS for bench/gpu.py.
+# Limits in seconds (environment): TESTS_S, MEMORY_S, BENCH_S; BENCH_ARGS for bench/gpu.py; BENCH_VARIANTS: argument
+# sets separated by ';', each run after it on the same base, e.g.
+#   BENCH_VARIANTS="--arms snaketrl --attention flex_attention; --arms snaketrl --args {\"use_liger_kernel\":true}"
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 || exit
@@ -32,3 +34,12 @@ SECONDS=0
 # shellcheck disable=SC2086
 timeout "${BENCH_S:-270}" python3 bench/gpu.py ${BENCH_ARGS:---max-steps 15} > "$out/bench.md" 2> "$out/bench.log"
 echo "bench: exit $?, ${SECONDS} s"; cat "$out/bench.md"; grep -E "seed [0-9]+:|failed|Error" "$out/bench.log" | cut -c1-600
+IFS=';' read -ra variants <<< "${BENCH_VARIANTS:-}"
+for variant in "${variants[@]}"; do
+  SECONDS=0
+  echo "## ${variant}" >> "$out/variants.md"
+  # shellcheck disable=SC2086
+  eval timeout "${VARIANT_S:-150}" python3 bench/gpu.py ${BENCH_ARGS:---max-steps 15} $variant >> "$out/variants.md" 2>> "$out/variants.log"
+  echo "variant ${variant}: exit $?, ${SECONDS} s"
+done
+[ -f "$out/variants.md" ] && cat "$out/variants.md"
