@@ -80,7 +80,8 @@ def test_query_key_pairs_of_padding_free_and_cached_forwards():
     from snaketrl.train.cost import query_key_pairs
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])  # three packed sequences: 3, 2 and 4 tokens
-    assert query_key_pairs((), {"input_ids": torch.zeros(1, 9), "position_ids": positions}) == (9, 9 + 4 + 16)
+    tokens, pairs = query_key_pairs((), {"input_ids": torch.zeros(1, 9), "position_ids": positions})
+    assert (tokens, int(pairs)) == (9, 9 + 4 + 16)
     assert query_key_pairs((), {"input_ids": torch.zeros(2, 5), "attention_mask": torch.ones(2, 7)}) == (10, 70)
 
     class Cache:

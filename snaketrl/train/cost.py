@@ -54,7 +54,8 @@ def _attention_width(config) -> tuple[int, int]:
 def query_key_pairs(args, kwargs) -> tuple[int, int]:
     """(tokens, query-key pairs) of one decoder forward: a 2-D attention mask's width is the keys each query
     sees (the cache included while generating); without one, a cache's length plus the new tokens, or in a
-    padding-free batch (one row, positions restarting at 0) each packed sequence's own length."""
+    padding-free batch (one row, positions restarting at 0) each packed sequence's own length (then the pairs
+    are a 0-d tensor on the batch's device)."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:-1]
     rows, width = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[-1])
@@ -66,8 +67,9 @@ def query_key_pairs(args, kwargs) -> tuple[int, int]:
     past = cache.get_seq_length() if cache is not None and hasattr(cache, "get_seq_length") else 0
     positions = kwargs.get("position_ids")
     if not past and rows == 1 and torch.is_tensor(positions):
-        starts = sorted({0, *torch.nonzero(positions.reshape(-1) == 0).reshape(-1).tolist()})
-        return tokens, sum((b - a) ** 2 for a, b in zip(starts, [*starts[1:], width]))
+        # A sequence at positions 0 .. n-1 has n² pairs, the sum of 2·position + 1 over its tokens. Left on the
+        # device (a 0-d tensor): reading it here would make the CPU wait for the GPU on every forward.
+        return tokens, (2 * positions.reshape(-1).long() + 1).sum()
     return tokens, tokens * (width + past)
 
 
@@ -139,7 +141,9 @@ class FlopMeter:
         return count
 
     def take(self) -> dict:
-        step = {"flops_trained": self.trained, "flops_forward_only": self.forward_only,
+        """The counts since the last call, as ints (a padding-free forward's attention is counted on the device:
+        TokenCounter calls this once a step, after the step's work is done)."""
+        step = {"flops_trained": int(self.trained), "flops_forward_only": int(self.forward_only),
                 "forward_only_tokens": self.forward_tokens}
         self.reset()
         return step
