@@ -90,12 +90,17 @@ def base_model(config: dict, name: str, work: Path) -> Path:
         return out
     tiny = entry["tiny"]
     if not out.is_dir():
+        import torch
+
+        # One thread, as the workflow's pretrain job, except on a GPU machine: there the base of bench/gpu.yaml's
+        # 0.5B shape took 69 s on one of 16 cores, device time spent on nothing the bench compares.
+        threads = None if torch.cuda.is_available() else 1
         corpus = [corpus_file(config, item, work) for item in tiny["corpus"]]
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
-            build_tiny_from_files(tiny, corpus, init, seed=config["seed"], threads=1)
+            build_tiny_from_files(tiny, corpus, init, seed=config["seed"], threads=threads)
             pretrain_model(init, corpus, out, work / "models" / f"{name}-state.json",
                            work / "models" / f"{name}-metrics.json", {**tiny["pretrain"], "seed": config["seed"]},
-                           threads=1)
+                           threads=threads)
     return out
 
 
