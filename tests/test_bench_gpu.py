@@ -1,5 +1,6 @@
 """bench/gpu.py's accounting, and its plain-TRL arm on CPU (the GPU table itself needs a GPU)."""
 
+import re
 import sys
 
 import pytest
@@ -25,8 +26,12 @@ def test_the_plain_trl_arm_trains_with_trls_defaults(trainer, arm, tmp_path, con
     run = inputs["run"]
     run["args"] = {k: v for k, v in run["args"].items() if k not in ("max_steps", "eval_strategy", "save_steps")}
     job = {"run": run, "arm": arm, "seed": 1, "model_dir": str(tiny_model_dir), "train": str(inputs["train_file"]),
-           "eval": str(inputs["eval_file"]), "max_length": 64, "work": str(tmp_path / arm), "schedule": gpu.EPOCH}
+           "eval": str(inputs["eval_file"]), "max_length": 64, "work": str(tmp_path / arm), "schedule": gpu.EPOCH,
+           "profile": str(tmp_path / "profile.txt") if arm == "trl-tuned" else None}  # its epoch: 5 steps
     metrics = gpu.plain_trl(job)
+    if job["profile"]:  # --profile: steps 3-5 in torch.profiler's tables, under the share the GPU computed
+        assert re.match(r"3 steps: \d+\.\d+ s wall, GPU kernels 0\.000 s \(0% busy\)\n",
+                        (tmp_path / "profile.txt").read_text())
     # TRL's default, which snaketrl decides from memory; the tuned arm turns it off
     assert metrics["activation_checkpointing"] is (arm != "trl-tuned")
     assert metrics["real_tokens"] > 0 and metrics["real_tokens_per_second"] > 0
