@@ -1,6 +1,6 @@
-from snaketrl.imports import pause_collector
+from snaketrl.imports import data_job
 
-pause_collector()  # first: before transformers loads
+data_job()  # first: before transformers loads
 
 from snaketrl.data.lengths import tokenize_prompt_files  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402

@@ -20,6 +20,17 @@ def skip_bitsandbytes_without_cuda() -> None:
         sys.modules["bitsandbytes"] = None  # importlib.util.find_spec then answers None, `import` ImportError
 
 
+def data_job() -> None:
+    """First thing in a data-env job that loads tokenizers (the length and prompt jobs). envs/data.yaml has no
+    torch, and these jobs need none; where one environment holds everything (README's set-up), transformers
+    imports torch all the same: `from transformers import AutoTokenizer` and a tokenizer's load took 4.4 s of
+    CPU with it, 1.8 s told it is absent, in each of the default's 12 such jobs. So it is told, as the data env
+    tells it, and the collector pauses until exit (`pause_collector`)."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # importlib.util.find_spec then answers None, `import` ImportError
+    pause_collector()
+
+
 def start_job() -> None:
     """First thing in every training-side process: `skip_bitsandbytes_without_cuda`, then `pause_collector`."""
     skip_bitsandbytes_without_cuda()
@@ -30,7 +41,7 @@ def pause_collector() -> None:
     """torch, transformers and TRL leave about a million objects that live as long as the process; Python's
     cyclic collector walks them all again and again while they are imported and once more at exit: about 3 s
     of CPU in a training job whose imports take 8 to 10 s (a tiny run's whole training takes about 5), 1 to 2 s
-    in a length job (transformers imports torch wherever it is installed). So the collector pauses until
+    in a length job while transformers imported torch there (`data_job`). So the collector pauses until
     `imports_done` (which the job calls once its libraries and model are loaded) and everything alive then is
     frozen: never collected again, at exit neither. Garbage made after that is collected as usual."""
     if not _paused:

@@ -363,6 +363,33 @@ def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
         assert out["snaketrl"] == str(ROOT / "scripts" / PKG / "__init__.py")
 
 
+def test_data_jobs_that_load_tokenizers_leave_torch_out():
+    """The data env has no torch. A data job that reaches transformers (the length and prompt jobs) tells it torch
+    is absent first thing, as that env does, also where one environment holds both: `from transformers import
+    AutoTokenizer` would import torch there (2.5 s of CPU in each of 12 jobs). Its tokenizer then loads and
+    renders its chat template all the same."""
+    reach = [s for s in env_scripts()[ROOT / "envs" / "data.yaml"] if "transformers" in third_party(job_imports(s))]
+    assert sorted(s.stem for s in reach) == ["length_histogram", "tokenize_prompts"]
+    for script in reach:
+        body = ast.parse(script.read_text()).body
+        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and ast.unparse(node) == "data_job()"]
+        ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "snaketrl.imports"
+                and (node.module or "").split(".")[0] == PKG]
+        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before data_job()"
+    check = ("import gc, sys\nfrom snaketrl.imports import data_job\ndata_job()\n"
+             "from transformers import AutoTokenizer\nfrom transformers.utils import is_torch_available\n"
+             "from snaketrl.models.tiny import CHAT_TEMPLATE\nfrom tokenizers import Tokenizer, models\n"
+             "from transformers import PreTrainedTokenizerFast\n"
+             "t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({'[UNK]': 0}, '[UNK]')), "
+             "unk_token='[UNK]', chat_template=CHAT_TEMPLATE)\n"
+             "text = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+             "print(sys.modules['torch'], is_torch_available(), not gc.isenabled(), repr(text))")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split(maxsplit=3)[:3] == ["None", "False", "True"], proc.stdout
+    assert repr("<|im_start|>user\nhi<|im_end|>\n") in proc.stdout, proc.stdout
+
+
 def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
     """bitsandbytes serves only QLoRA (CUDA only) and costs every job about 3 s of imports: each script of the train
     env (and each launched process) starts the job first thing, which tells peft and transformers it is absent
