@@ -17,7 +17,7 @@ def skip_bitsandbytes_without_cuda() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.modules["bitsandbytes"] = None  # importlib.util.find_spec then answers None, `import` ImportError
+        _absent("bitsandbytes")
 
 
 def data_job() -> None:
@@ -27,8 +27,13 @@ def data_job() -> None:
     CPU with it, 1.8 s told it is absent, in each of the default's 12 such jobs. So it is told, as the data env
     tells it, and the collector pauses until exit (`pause_collector`)."""
     if "torch" not in sys.modules:
-        sys.modules["torch"] = None  # importlib.util.find_spec then answers None, `import` ImportError
+        _absent("torch")
     pause_collector()
+
+
+def _absent(module: str) -> None:
+    """Libraries then take `module` for not installed: importlib.util.find_spec answers None, `import` ImportError."""
+    sys.modules[module] = None
 
 
 def start_job() -> None:

@@ -363,6 +363,16 @@ def test_env_installs_and_runs_its_scripts_imports(env, tmp_path):
         assert out["snaketrl"] == str(ROOT / "scripts" / PKG / "__init__.py")
 
 
+def calls_first(script: Path, call: str, may_come_before: set[str] = frozenset()) -> bool:
+    """`script` makes the top-level call `call` before it imports any snaketrl module but snaketrl.imports (and
+    those of `may_come_before`), and imports one."""
+    body = ast.parse(script.read_text()).body
+    calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and ast.unparse(node) == call]
+    ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom)
+            and node.module not in {"snaketrl.imports", *may_come_before} and (node.module or "").split(".")[0] == PKG]
+    return bool(calls and ours) and calls[0] < min(ours)
+
+
 def test_data_jobs_that_load_tokenizers_leave_torch_out():
     """The data env has no torch. A data job that reaches transformers (the length and prompt jobs) tells it torch
     is absent first thing, as that env does, also where one environment holds both: `from transformers import
@@ -371,11 +381,7 @@ def test_data_jobs_that_load_tokenizers_leave_torch_out():
     reach = [s for s in env_scripts()[ROOT / "envs" / "data.yaml"] if "transformers" in third_party(job_imports(s))]
     assert sorted(s.stem for s in reach) == ["length_histogram", "tokenize_prompts"]
     for script in reach:
-        body = ast.parse(script.read_text()).body
-        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and ast.unparse(node) == "data_job()"]
-        ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "snaketrl.imports"
-                and (node.module or "").split(".")[0] == PKG]
-        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before data_job()"
+        assert calls_first(script, "data_job()"), f"{script.name} imports snaketrl before data_job()"
     check = ("import gc, sys\nfrom snaketrl.imports import data_job\ndata_job()\n"
              "from transformers import AutoTokenizer\nfrom transformers.utils import is_torch_available\n"
              "from snaketrl.models.tiny import CHAT_TEMPLATE\nfrom tokenizers import Tokenizer, models\n"
@@ -396,12 +402,8 @@ def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
     where no CUDA GPU is visible, and pauses the cyclic collector until the job's imports are done."""
     launched = ROOT / "snaketrl" / "train" / "__main__.py"
     for script in [*env_scripts()[ROOT / "envs" / "train.yaml"], launched]:
-        body = ast.parse(script.read_text()).body
-        calls = [i for i, node in enumerate(body) if isinstance(node, ast.Expr) and ast.unparse(node) == "start_job()"]
-        ours = [i for i, node in enumerate(body) if isinstance(node, ast.ImportFrom) and node.module != "snaketrl.imports"
-                and (node.module or "").split(".")[0] == PKG
-                and not (script == launched and node.module == "snaketrl.train.distributed")]  # die_with_parent
-        assert calls and ours and calls[0] < min(ours), f"{script.name} imports snaketrl before it starts the job"
+        before = {"snaketrl.train.distributed"} if script == launched else set()  # die_with_parent
+        assert calls_first(script, "start_job()", before), f"{script.name} imports snaketrl before it starts the job"
     check = ("import gc, sys\nfrom snaketrl.imports import imports_done, start_job\nstart_job()\n"
              "import peft, transformers\nfrom peft.import_utils import is_bnb_available\n"
              "from transformers.utils import is_bitsandbytes_available\npaused = not gc.isenabled()\nimports_done()\n"
