@@ -131,6 +131,10 @@ def plain_trl(job: dict) -> dict:
                                bf16=bf16, **{**args, **job["schedule"], **tuned})
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     attention = run["model_entry"].get("attn_implementation")
+    if attention == "varlen":
+        from snaketrl.train.attention import register
+
+        register()
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32,
                                                  **({"attn_implementation": attention} if attention else {}))
     counter, clock = TokenCounter(tokenizer.pad_token_id), cpu_clock()
@@ -185,7 +189,8 @@ def worker(job_file: str) -> None:
         "arm": job["arm"], "batching": metrics.get("batching"), "device": device,
         "checkpointing": bool(metrics.get("activation_checkpointing")),
         "efficiency": metrics["token_efficiency"], "tokens_per_s": metrics["real_tokens_per_second"],
-        "epoch_s": metrics["train_runtime"], "cpu_s": metrics["cpu_s"], "eval_loss": metrics["eval_loss"],
+        "warm_tokens_per_s": metrics.get("warm_real_tokens_per_second"), "epoch_s": metrics["train_runtime"],
+        "cpu_s": metrics["cpu_s"], "eval_loss": metrics["eval_loss"],
         "train_loss": metrics.get("train_loss"), "real_tokens": metrics["real_tokens"],
         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
         "flops": metrics["flops"], "train_s": metrics["train_seconds"],
@@ -220,11 +225,12 @@ def table(name: str, results: dict[str, list[dict]]) -> list[str]:
     for arm, rs in results.items():
         if any("failed" in r for r in rs):
             rows.append(f"| {name} | {arm} | {rs[0].get('failed', next(r['failed'] for r in rs if 'failed' in r))} "
-                        f"| | | | | | | | |")
+                        f"| | | | | | | | | |")
             continue
         r = rs[0]
         rows.append(f"| {name} | {arm} ({r['batching']}, checkpointing {'on' if r['checkpointing'] else 'off'}) | "
                     f"{fmt(best(arm, 'efficiency'), '.3f')} | {fmt(best(arm, 'tokens_per_s'), ',.0f')} | "
+                    f"{fmt(best(arm, 'warm_tokens_per_s'), ',.0f')} | "
                     f"{fmt(best(arm, 'epoch_s', min), '.1f')} | {fmt(best(arm, 'cpu_s', min), '.1f')} | "
                     f"{fmt(best(arm, 'peak_gib'), '.1f')} | {fmt(best(arm, 'mfu'), '.1%')} | "
                     f"{spread([x['train_loss'] for x in rs if x.get('train_loss') is not None] or [float('nan')])} | "
@@ -236,7 +242,10 @@ def table(name: str, results: dict[str, list[dict]]) -> list[str]:
                 continue
             # Per real token: the arms' rows are the same, their real tokens too unless packing cuts some off.
             cpu = (best("trl", "cpu_s", min) / best("trl", "real_tokens")) / (best(arm, "cpu_s", min) / best(arm, "real_tokens"))
+            warm = (f"{best(arm, 'warm_tokens_per_s') / best('trl', 'warm_tokens_per_s'):.2f}×"
+                    if best(arm, "warm_tokens_per_s") and best("trl", "warm_tokens_per_s") else "")
             rows.append(f"| {name} | **{arm} / trl** | | **{best(arm, 'tokens_per_s') / best('trl', 'tokens_per_s'):.2f}×** "
+                        f"| {warm} "
                         f"| {best(arm, 'epoch_s', min) / best('trl', 'epoch_s', min):.2f}× | **{cpu:.2f}×** | | | | "
                         f"{loss_change([x['eval_loss'] for x in rs], [x['eval_loss'] for x in base])} |")
     return rows
@@ -274,8 +283,8 @@ def main() -> None:
     os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
     config, runs = load_config(configfile)
     names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ("sft", "dpo")]
-    out = ["| run | arm | token efficiency | real tokens/s | epoch (s) | CPU (s) | peak GPU memory (GiB) | MFU | "
-           "train loss | eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| run | arm | token efficiency | real tokens/s | after step 1 | epoch (s) | CPU (s) | peak GPU memory (GiB) "
+           "| MFU | train loss | eval loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     device = None
     schedule = {**EPOCH, "max_steps": opts.max_steps} if opts.max_steps else EPOCH
     for name in names:

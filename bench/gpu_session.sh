@@ -6,7 +6,8 @@
 #   mkdir -p shared/data && cp -r ../shared/data/{lima-llamafactory,hh-rlhf-harmless-base} shared/data/
 #   (and '/shared/' in .git/info/exclude: the rows travel, never into the repository)
 # Then: device run, carry [".whl", "shared"], command "bash bench/gpu_session.sh".
-# Limits in seconds (environment): TESTS_S, MEMORY_S, BENCH_S; BENCH_ARGS for bench/gpu.py; BENCH_VARIANTS: argument
+# Limits in seconds (environment; 0 skips the stage): TESTS_S, MEMORY_S, BENCH_S; TESTS_K, a pytest -k filter of
+# the cuda tests; BENCH_ARGS for bench/gpu.py; BENCH_VARIANTS: argument
 # sets separated by ';', each run after it on the same base, e.g.
 #   BENCH_VARIANTS="--arms snaketrl --attention flex_attention; --arms snaketrl --args {\"use_liger_kernel\":true}"
 set -uo pipefail
@@ -24,16 +25,22 @@ torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__versi
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 SECONDS=0
-timeout "${TESTS_S:-240}" python3 -m pytest -m cuda -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE \
-  --junitxml="$out/cuda.xml" tests/ > "$out/cuda.txt" 2>&1
-echo "cuda tests: exit $?, ${SECONDS} s"; tail -25 "$out/cuda.txt"
+if [ "${TESTS_S:-240}" -gt 0 ]; then
+  timeout "${TESTS_S:-240}" python3 -m pytest -m cuda -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE \
+    ${TESTS_K:+-k "$TESTS_K"} --junitxml="$out/cuda.xml" tests/ > "$out/cuda.txt" 2>&1
+  echo "cuda tests: exit $?, ${SECONDS} s"; tail -25 "$out/cuda.txt"
+fi
 SECONDS=0
-timeout "${MEMORY_S:-90}" python3 bench/memory.py > "$out/memory.md" 2>&1
-echo "memory: exit $?, ${SECONDS} s"; grep '^|' "$out/memory.md"
+if [ "${MEMORY_S:-90}" -gt 0 ]; then
+  timeout "${MEMORY_S:-90}" python3 bench/memory.py > "$out/memory.md" 2>&1
+  echo "memory: exit $?, ${SECONDS} s"; grep '^|' "$out/memory.md"
+fi
 SECONDS=0
-# shellcheck disable=SC2086
-timeout "${BENCH_S:-270}" python3 bench/gpu.py ${BENCH_ARGS:---max-steps 15} > "$out/bench.md" 2> "$out/bench.log"
-echo "bench: exit $?, ${SECONDS} s"; cat "$out/bench.md"; grep -E "seed [0-9]+:|failed|Error" "$out/bench.log" | cut -c1-600
+if [ "${BENCH_S:-270}" -gt 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "${BENCH_S:-270}" python3 bench/gpu.py ${BENCH_ARGS:---max-steps 15} > "$out/bench.md" 2> "$out/bench.log"
+  echo "bench: exit $?, ${SECONDS} s"; cat "$out/bench.md"; grep -E "seed [0-9]+:|failed|Error" "$out/bench.log" | cut -c1-600
+fi
 IFS=';' read -ra variants <<< "${BENCH_VARIANTS:-}"
 for variant in "${variants[@]}"; do
   SECONDS=0

@@ -46,6 +46,11 @@ class Trainer:
     eval_rows: int | None = None
 
     @property
+    def generates(self) -> bool:
+        """Samples completions during training (GRPO, RLOO, online DPO, PPO): its policy decodes with a KV cache."""
+        return self.reward_funcs or self.value_model
+
+    @property
     def model_class(self) -> str:
         return MODEL_CLASSES[self.task_type]
 

@@ -359,6 +359,8 @@ def test_every_trainer_under_every_switch_on_cuda(trainer, switch, tmp_path, con
     assert losses and all(math.isfinite(v) for v in losses), state["log_history"]
     assert metrics["device"] == "cuda" and metrics["real_tokens"] > 0
     assert 0 < metrics["token_efficiency"] <= 1 and metrics["real_tokens_per_second"] > 0
+    # snaketrl.train.attention: torch's varlen kernel wherever the trainer does not generate
+    assert metrics["attn_implementation"] == ("sdpa" if REGISTRY[trainer].generates else "varlen")
     if switch == "packing":
         assert metrics["batching"] == "packed" and metrics["token_efficiency"] == pytest.approx(1.0)
 
@@ -366,7 +368,8 @@ def test_every_trainer_under_every_switch_on_cuda(trainer, switch, tmp_path, con
 @pytest.mark.parametrize("device, attention", [
     ("cpu", "sdpa"),
     pytest.param("cuda", "sdpa", marks=pytest.mark.cuda),
-    pytest.param("cuda", "flex_attention", marks=pytest.mark.cuda)])
+    pytest.param("cuda", "flex_attention", marks=pytest.mark.cuda),
+    pytest.param("cuda", "varlen", marks=pytest.mark.cuda)])
 def test_packed_sequences_stay_apart_in_bf16(device, attention, tiny_model_dir):
     """What the CUDA choice rests on: a padding-free packed row (position_ids restarting per sequence, no
     attention mask, as TRL's collator builds it) gives each token of each sequence the loss it has alone, to
@@ -375,6 +378,9 @@ def test_packed_sequences_stay_apart_in_bf16(device, attention, tiny_model_dir):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from snaketrl.train.attention import register
+
+    register()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16,
                                                  attn_implementation=attention).to(device).eval()
     g = torch.Generator().manual_seed(0)

@@ -177,9 +177,10 @@ STRATEGY_ARGS = {
 }
 PAIR_GROUPING = {"remove_unused_columns": False, "length_column_name": "snaketrl_length"}
 # Attention implementations that keep a flattened batch's sequences apart without attending across the
-# whole batch (trl.trainer.sft_trainer.FLASH_ATTENTION_VARIANTS; tests/test_batching.py checks they match).
+# whole batch (trl.trainer.sft_trainer.FLASH_ATTENTION_VARIANTS, and snaketrl.train.attention's varlen;
+# tests/test_batching.py checks they match).
 VARLEN_ATTENTION = {"flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2",
-                    "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3"}
+                    "kernels-community/flash-attn3", "kernels-community/vllm-flash-attn3", "varlen"}
 # A strategy other than TRL's default must gain at least this much efficiency to be chosen.
 MIN_GAIN = 0.01
 # The devices a choice is made for: the train job takes the one it runs on (the length job may run elsewhere).
@@ -189,10 +190,9 @@ DEVICES = ("cpu", "cuda")
 # forwards leave the GPU idle between them). On a CPU every saved token is saved time and packing is 1.5-4.6x
 # slower (docs/batching.md).
 CUDA_PACKED = ("on CUDA packing measured 1.4x TRL's default real tokens/s (an H100, SFT of a Qwen2.5-0.5B shape "
-               "on LIMA) and is exact: TRL's padding-free batches carry position_ids that restart per sequence, and "
-               "transformers builds a block-diagonal mask from them (sdpa, eager, flex_attention) or passes the "
-               "sequence lengths (flash attention); with sdpa the mask is dense, its cost grows with the square of "
-               "the packed length: flex_attention or flash_attention_2 (models.<name>.attn_implementation) avoid it")
+               "on LIMA) and is exact: TRL's padding-free batches carry position_ids that restart per sequence; the "
+               "train job attends within each sequence with torch's varlen kernel (snaketrl.train.attention, 2.0x "
+               "sdpa's dense block-diagonal mask on an H200) unless models.<name>.attn_implementation says otherwise")
 CUDA_NO_ROW_GROUPS = ("no row groups on CUDA: two smaller forwards per batch measured 0.6x TRL's default on an "
                       "H100, where a forward's cost hardly grows with its width")
 

@@ -33,6 +33,10 @@ def check_switches(trainer: str, args: dict, where: str, model: str, entry: dict
     """Memory switches that cannot work with this trainer or this model's loading, refused at parse time with
     what to use instead (pure Python: the config check calls it; the train job again, before any model loads)."""
     quant = entry.get("quantization")
+    if entry.get("attn_implementation") == "varlen" and REGISTRY[trainer].generates:
+        raise ConfigError(f"config: {where}: models.{model}.attn_implementation varlen attends within whole "
+                          f"sequences and has no KV cache, which {trainer} needs to generate completions; leave "
+                          f"attn_implementation unset (sdpa) or use flash_attention_2 for this model's {trainer} runs")
     if args.get("use_liger_kernel") and trainer == "ppo":
         raise ConfigError(f"config: {where}: use_liger_kernel does nothing for PPO: TRL's PPOTrainer runs its own "
                           f"loop, which never applies Liger's kernels (transformers' Trainer does, for the other "

@@ -44,6 +44,10 @@ def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: s
 
     if entry.get("attn_implementation"):
         kwargs.setdefault("attn_implementation", entry["attn_implementation"])
+    if kwargs.get("attn_implementation") == "varlen":
+        from snaketrl.train.attention import register
+
+        register()
     quant = entry.get("quantization")
     if quant and not torch.cuda.is_available():
         raise ConfigError(f"config: models.{model_name}.quantization: {quant} loading (bitsandbytes QLoRA) "

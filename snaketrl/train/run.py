@@ -20,6 +20,7 @@ from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train.args import (build_args, check_args, check_hardware, check_liger_model, check_switches,
                                  split_batch)
 from snaketrl.train.distributed import SHARDED
+from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -169,7 +170,10 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
     sharded = run["distributed"] in SHARDED and world > 1
-    model = load_model(model_dir, run["model"], entry, args.bf16, spec.task_type, sharded=sharded)
+    attention, why = choose_attention(spec, entry, device)
+    log.info("%s: attention %s: %s", run["name"], attention or "sdpa", why)
+    model = load_model(model_dir, run["model"], {**entry, "attn_implementation": attention}, args.bf16,
+                       spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
     # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
@@ -218,7 +222,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
     metrics.update(counter.summary(gather_steps(counter.steps, world)))
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
-                   activation_checkpointing=bool(checkpointing))
+                   activation_checkpointing=bool(checkpointing), attn_implementation=attention or "sdpa")
     if dropped is not None:
         metrics["examples_dropped"] = dropped
     if world > 1:

@@ -84,9 +84,14 @@ class TokenCounter(TrainerCallback):
         real = sum(s["real"] for s in steps)
         processed = sum(s["processed"] for s in steps)
         seconds = sum(s["seconds"] for s in steps)
+        # The first step also pays one-off costs (cuDNN's autotuning, flex_attention's compilation): the rate
+        # without it is what a long run settles at.
+        warm_seconds = sum(s["seconds"] for s in steps[1:])
         return {"real_tokens": real, "processed_tokens": processed,
                 "token_efficiency": real / processed if processed else None,
                 "real_tokens_per_second": real / seconds if seconds else None,
+                "warm_real_tokens_per_second": (sum(s["real"] for s in steps[1:]) / warm_seconds
+                                                if warm_seconds else None),
                 **cost_summary(steps), "flop_weights": self.flops.weights}
 
 

@@ -1,0 +1,123 @@
+"""attn_implementation: varlen (snaketrl/train/attention.py) against sdpa: the same losses and gradients, per
+sequence, whether the sequences come packed into one padding-free row or padded in a batch."""
+
+import pytest
+
+
+def model_with(tiny_model_dir, attention, device="cpu", dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snaketrl.train.attention import register
+
+    register()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention,
+                                                dtype=dtype or torch.float32).to(device)
+
+
+def sequence_losses(model, seqs, packed: bool, device="cpu"):
+    """Per sequence: its summed next-token loss, from one packed row or one right-padded batch."""
+    import torch
+    import torch.nn.functional as F
+
+    if packed:
+        ids = torch.cat(seqs)[None].to(device)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
+        out, start = [], 0
+        for s in seqs:
+            end = start + len(s)
+            out.append(F.cross_entropy(logits[start:end - 1], ids[0, start + 1:end], reduction="sum"))
+            start = end
+        return out
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)], mask[row, :len(s)] = s, 1
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits.float()
+    return [F.cross_entropy(logits[row, :len(s) - 1], ids[row, 1:len(s)].to(device), reduction="sum")
+            for row, s in enumerate(seqs)]
+
+
+def grads(model, losses):
+    model.zero_grad()
+    sum(losses).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_varlen_gives_each_sequence_its_own_loss_and_gradient(tiny_model_dir, packed, device):
+    """On CPU (fp32, one sdpa call per sequence) to float rounding; on CUDA (bf16, torch's flash varlen kernel
+    against sdpa) to bf16's: each gradient within 3 % of the reference's norm."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(5, 1000, (n,), generator=g) for n in (37, 12, 64, 5, 29)]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    reference = model_with(tiny_model_dir, "sdpa", device, dtype)
+    varlen = model_with(tiny_model_dir, "varlen", device, dtype)
+    alone = [sequence_losses(reference, [s], packed=False, device=device)[0] for s in seqs]
+    mine = sequence_losses(varlen, seqs, packed=packed, device=device)
+    for a, b in zip(alone, mine):
+        assert b.item() == pytest.approx(a.item(), rel=1e-5 if device == "cpu" else 2e-2)
+    expected, got = grads(reference, alone), grads(varlen, mine)
+    assert expected.keys() == got.keys() and len(got) > 10
+    if device == "cpu":
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    else:
+        errors = {name: ((got[name].float() - expected[name].float()).norm() / expected[name].float().norm()).item()
+                  for name in expected}
+        assert max(errors.values()) < 3e-2, sorted(errors.items(), key=lambda e: -e[1])[:5]
+
+
+def test_varlen_finds_sequences_from_positions_and_masks():
+    import torch
+
+    from snaketrl.train.attention import sequences
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    index, cu, longest = sequences(1, 9, None, positions)
+    assert index is None and cu.tolist() == [0, 3, 5, 9] and longest == 4
+    # Rows of a batch are sequences of their own even when positions run on across the row boundary.
+    index, cu, longest = sequences(2, 3, None, torch.arange(3)[None])
+    assert cu.tolist() == [0, 3, 6] and longest == 3
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])
+    index, cu, longest = sequences(3, 4, mask, None)
+    assert index.tolist() == [0, 1, 2, 5, 6, 7] and cu.tolist() == [0, 3, 6, 6] and longest == 3
+
+
+def test_cuda_jobs_choose_varlen_unless_the_model_sets_one_or_the_trainer_generates():
+    from snaketrl.train.attention import choose
+    from snaketrl.trainers import REGISTRY
+
+    for trainer in ("sft", "dpo", "reward", "kto", "orpo"):
+        assert choose(REGISTRY[trainer], {}, "cuda")[0] == "varlen"
+        assert choose(REGISTRY[trainer], {}, "cpu")[0] is None
+        assert choose(REGISTRY[trainer], {"attn_implementation": "eager"}, "cuda")[0] == "eager"
+    for trainer in ("grpo", "rloo", "online_dpo", "ppo"):
+        attention, why = choose(REGISTRY[trainer], {}, "cuda")
+        assert attention is None and "KV cache" in why
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "online_dpo", "ppo"])
+def test_varlen_is_refused_for_trainers_that_generate(trainer):
+    from snaketrl.errors import ConfigError
+    from snaketrl.train.args import check_switches
+
+    with pytest.raises(ConfigError, match=rf"^config: run 'x': models.m.attn_implementation varlen attends within "
+                                          rf"whole sequences and has no KV cache, which {trainer} needs"):
+        check_switches(trainer, {}, "run 'x'", "m", {"attn_implementation": "varlen"})
+    check_switches("sft", {}, "run 'x'", "m", {"attn_implementation": "varlen"})
+
+
+def test_varlen_refuses_a_kv_cache(tiny_model_dir):
+    import torch
+
+    model = model_with(tiny_model_dir, "varlen").eval()
+    ids = torch.randint(5, 1000, (1, 6))
+    with pytest.raises(ValueError, match="attn_implementation varlen: 1 queries against 7 keys"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
