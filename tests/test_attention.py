@@ -47,6 +47,24 @@ def grads(model, losses):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same(reference, expected, model, got, device):
+    """Each loss and every parameter's gradient as the reference's: to float rounding on CPU (fp32), to bf16's
+    on CUDA (each gradient within 3 % of the reference's norm)."""
+    import torch
+
+    for a, b in zip(expected, got):
+        assert b.item() == pytest.approx(a.item(), rel=1e-5 if device == "cpu" else 2e-2)
+    want, have = grads(reference, expected), grads(model, got)
+    assert want.keys() == have.keys() and len(have) > 10
+    if device == "cpu":
+        for name in want:
+            torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    else:
+        errors = {name: ((have[name].float() - want[name].float()).norm() / want[name].float().norm()).item()
+                  for name in want}
+        assert max(errors.values()) < 3e-2, sorted(errors.items(), key=lambda e: -e[1])[:5]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_varlen_gives_each_sequence_its_own_loss_and_gradient(tiny_model_dir, packed, device):
@@ -60,18 +78,7 @@ def test_varlen_gives_each_sequence_its_own_loss_and_gradient(tiny_model_dir, pa
     reference = model_with(tiny_model_dir, "sdpa", device, dtype)
     varlen = model_with(tiny_model_dir, "varlen", device, dtype)
     alone = [sequence_losses(reference, [s], packed=False, device=device)[0] for s in seqs]
-    mine = sequence_losses(varlen, seqs, packed=packed, device=device)
-    for a, b in zip(alone, mine):
-        assert b.item() == pytest.approx(a.item(), rel=1e-5 if device == "cpu" else 2e-2)
-    expected, got = grads(reference, alone), grads(varlen, mine)
-    assert expected.keys() == got.keys() and len(got) > 10
-    if device == "cpu":
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    else:
-        errors = {name: ((got[name].float() - expected[name].float()).norm() / expected[name].float().norm()).item()
-                  for name in expected}
-        assert max(errors.values()) < 3e-2, sorted(errors.items(), key=lambda e: -e[1])[:5]
+    assert_same(reference, alone, varlen, sequence_losses(varlen, seqs, packed=packed, device=device), device)
 
 
 def test_varlen_finds_sequences_from_positions_and_masks():
@@ -121,3 +128,73 @@ def test_varlen_refuses_a_kv_cache(tiny_model_dir):
     ids = torch.randint(5, 1000, (1, 6))
     with pytest.raises(ValueError, match="attn_implementation varlen: 1 queries against 7 keys"):
         model.generate(ids, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("padding", ["right", "middle"])
+def test_unpad_runs_a_padded_batch_padding_free_with_the_padded_losses_and_gradients(tiny_model_dir, padding,
+                                                                                     device):
+    """snaketrl.train.attention.unpad: the decoder sees only the batch's real tokens (one flattened row), and every
+    row's loss and every gradient are those of the padded batch under sdpa (right padding as DPO and reward
+    batches have; padding in the middle as a left-padded prompt before a right-padded completion would give)."""
+    import torch
+    import torch.nn.functional as F
+
+    from snaketrl.train.attention import unpad
+    from snaketrl.train.cost import decoder
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [(0, 37), (0, 12), (0, 64), (0, 5)] if padding == "right" else [(0, 30), (6, 20), (0, 64), (3, 9)]
+    ids = torch.randint(5, 1000, (len(lengths), 64), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, (gap_at, n) in enumerate(lengths):
+        mask[row, :n] = 1
+        if gap_at:
+            mask[row, gap_at:gap_at + 4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    for row, (gap_at, n) in enumerate(lengths):
+        if gap_at:  # its logits would come from a pad position, which the flattened row has not computed
+            labels[row, gap_at + 4] = -100
+
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+
+    def losses(model):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        return [F.cross_entropy(logits[row, :-1], labels[row, 1:], reduction="sum") for row in range(len(ids))]
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    reference = model_with(tiny_model_dir, "sdpa", device, dtype)
+    flat = model_with(tiny_model_dir, "varlen", device, dtype)
+    seen = []
+    decoder(flat).embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
+    handles = unpad(decoder(flat))
+    expected = losses(reference)
+    assert_same(reference, expected, flat, losses(flat), device)
+    assert seen == [(1, int(mask.sum()))]  # the layers ran on the real tokens only
+    for handle in handles:
+        handle.remove()
+    assert losses(flat)[0].item() == pytest.approx(expected[0].item(), rel=1e-5 if device == "cpu" else 2e-2)
+    assert seen[-1] == tuple(ids.shape)
+
+
+def test_a_varlen_dpo_run_trains_padding_free_to_the_padded_runs_losses(tmp_path, config, tiny_model_dir):
+    """train_run with models.<m>.attn_implementation varlen (what a CUDA job gets unasked): DPO's padded pairs run
+    through the layers padding-free (token efficiency 1.0), with the losses of the same run under sdpa."""
+    import copy
+    import json
+
+    from snaketrl.train.run import train_run
+    from test_trainers import prepare
+
+    logs, metrics = {}, {}
+    for attention in ("sdpa", "varlen"):
+        cfg = copy.deepcopy(config)
+        cfg["models"]["qwen2-tiny"]["attn_implementation"] = attention
+        (tmp_path / attention).mkdir()
+        metrics[attention] = train_run(**prepare(tmp_path / attention, cfg, tiny_model_dir, "dpo"))
+        state = json.loads((tmp_path / attention / "out" / "trainer_state.json").read_text())
+        logs[attention] = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert metrics["varlen"]["unpadded"] and not metrics["sdpa"]["unpadded"]
+    assert metrics["sdpa"]["token_efficiency"] < 0.95 and metrics["varlen"]["token_efficiency"] == 1.0
+    assert metrics["varlen"]["real_tokens"] == metrics["sdpa"]["real_tokens"]
+    assert len(logs["varlen"]) == 3 and logs["varlen"] == pytest.approx(logs["sdpa"], rel=1e-4)

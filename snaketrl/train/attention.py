@@ -98,7 +98,7 @@ def _varlen_kernel():
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, sliding_window: int | None = None, position_ids=None,
-                             **kwargs):
+                             cu_seq_lens_q=None, max_length_q: int | None = None, **kwargs):
     """transformers' attention signature: query (batch, heads, length, dim), key/value (batch, kv_heads,
     length, dim); returns (batch, length, heads, dim) and no weights. Causal within each sequence."""
     import torch
@@ -112,7 +112,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if key.shape[2] != length:
         raise ValueError(f"attn_implementation {NAME}: {length} queries against {key.shape[2]} keys (a KV cache, "
                          f"as in generation); varlen attends within whole sequences only: use sdpa to generate")
-    index, cu, longest = sequences(batch, length, attention_mask, position_ids)
+    if cu_seq_lens_q is not None:  # unpad() flattened a padded batch and says where its rows start
+        index, cu, longest = None, cu_seq_lens_q, max_length_q
+    else:
+        index, cu, longest = sequences(batch, length, attention_mask, position_ids)
 
     def tokens(x):  # (batch, h, length, dim) -> (real tokens, h, dim)
         x = x.transpose(1, 2).reshape(batch * length, x.shape[1], dim)
@@ -152,3 +155,54 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if index is not None:
         out = out.new_zeros(batch * length, heads, dim).index_copy(0, index, out)
     return out.reshape(batch, length, heads, dim), None
+
+
+def unpad(decoder) -> list:
+    """Run every padded batch through `decoder` (a model's decoder stack, loaded with varlen) padding-free: its
+    rows' real tokens as one flattened row, each row a sequence of its own at the positions the padded forward
+    gives them, and the hidden states put back in the batch's padded layout for the head. The layers then spend
+    nothing on padding (TRL 1.12 has no padding-free path for DPO, reward, KTO or ORPO). Forwards with a KV cache
+    (generation) and batches without padding pass unchanged. Returns the hook handles."""
+    import torch
+    import torch.nn.functional as F
+
+    pending = []  # per decoder call: (index of the real tokens, rows, width), or None
+
+    def flatten(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if (ids is None or ids.dim() != 2 or mask is None or mask.dim() != 2 or len(args) > 1
+                or kwargs.get("past_key_values") is not None or kwargs.get("inputs_embeds") is not None):
+            pending.append(None)
+            return None
+        keep = mask.bool()
+        if bool(keep.all()):
+            pending.append(None)
+            return None
+        rows, width = ids.shape
+        index = keep.reshape(-1).nonzero().squeeze(-1)
+        positions = kwargs.get("position_ids")
+        positions = (positions if positions is not None else torch.arange(width, device=ids.device)).expand(rows, width)
+        lengths = keep.sum(-1, dtype=torch.int32)
+        cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+        longest = int(lengths.max())
+        pending.append((index, rows, width))
+        kwargs = {**kwargs, "input_ids": ids.reshape(-1)[index][None], "attention_mask": None,
+                  "position_ids": positions.reshape(-1)[index][None], "use_cache": False,
+                  "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        return (), kwargs
+
+    def restore(module, args, kwargs, output):
+        entry = pending.pop()
+        if entry is None:
+            return None
+        index, rows, width = entry
+        hidden = output.last_hidden_state[0]
+        output.last_hidden_state = hidden.new_zeros(rows * width, hidden.shape[-1]).index_copy(
+            0, index, hidden).view(rows, width, -1)
+        return output
+
+    # snaketrl.train.tokens counts real tokens from the padded batch before this hook (prepended there), the
+    # FLOP meter the flattened one after it: the work the layers do.
+    return [decoder.register_forward_pre_hook(flatten, with_kwargs=True),
+            decoder.register_forward_hook(restore, with_kwargs=True)]

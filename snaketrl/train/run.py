@@ -21,6 +21,7 @@ from snaketrl.train.args import (build_args, check_args, check_hardware, check_l
                                  split_batch)
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
+from snaketrl.train.attention import unpad
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -206,6 +207,12 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         split = False
     elif split:
         split_model_rows(trainer)
+    # varlen attends within sequences it is told of: a padded batch's layers can then skip the padding
+    unpadded = attention == "varlen" and not batching.get("packing")
+    if unpadded:
+        from snaketrl.train.cost import decoder
+
+        unpad(decoder(trainer.model))
     # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
     dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
 
@@ -222,7 +229,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
     metrics.update(counter.summary(gather_steps(counter.steps, world)))
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
-                   activation_checkpointing=bool(checkpointing), attn_implementation=attention or "sdpa")
+                   activation_checkpointing=bool(checkpointing), attn_implementation=attention or "sdpa",
+                   unpadded=unpadded)
     if dropped is not None:
         metrics["examples_dropped"] = dropped
     if world > 1:

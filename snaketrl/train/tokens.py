@@ -50,7 +50,8 @@ class TokenCounter(TrainerCallback):
             self._processed += args[0].numel()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._hooks = [decoder(model).register_forward_pre_hook(self._count_real, with_kwargs=True),
+        # prepend: before any hook that reshapes the batch (snaketrl.train.attention.unpad), it sees the padded one
+        self._hooks = [decoder(model).register_forward_pre_hook(self._count_real, with_kwargs=True, prepend=True),
                        _embeddings(model).register_forward_pre_hook(self._count_processed),
                        *self.flops.hook(self._models or {"policy": getattr(model, "policy", model)})]
         self._started = time.perf_counter()
