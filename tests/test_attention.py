@@ -97,6 +97,25 @@ def test_varlen_finds_sequences_from_positions_and_masks():
     assert index.tolist() == [0, 1, 2, 5, 6, 7] and cu.tolist() == [0, 3, 6, 6] and longest == 3
 
 
+def test_varlen_only_for_a_model_class_that_routes_attention_through_transformers(tiny_model_dir, monkeypatch):
+    """A class with its own attention code would ignore varlen and attend across a flattened batch."""
+    from transformers import Qwen2ForCausalLM
+
+    from snaketrl.errors import ConfigError
+    from snaketrl.train.attention import choose, routes_attention
+    from snaketrl.trainers import REGISTRY
+
+    assert routes_attention(tiny_model_dir, "AutoModelForCausalLM")
+    assert routes_attention(tiny_model_dir, "AutoModelForSequenceClassification")
+    monkeypatch.setattr(Qwen2ForCausalLM, "_supports_attention_backend", False)
+    assert not routes_attention(tiny_model_dir, "AutoModelForCausalLM")
+    attention, why = choose(REGISTRY["sft"], {}, "cuda", routed=False)
+    assert attention is None and "AttentionInterface" in why
+    with pytest.raises(ConfigError, match=r"^config: models.m.attn_implementation varlen: this model's class does "
+                                          r"not run its attention through transformers' AttentionInterface"):
+        choose(REGISTRY["sft"], {"attn_implementation": "varlen"}, "cpu", routed=False, model="m")
+
+
 def test_cuda_jobs_choose_varlen_unless_the_model_sets_one_or_the_trainer_generates():
     from snaketrl.train.attention import choose
     from snaketrl.trainers import REGISTRY

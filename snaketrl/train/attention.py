@@ -30,16 +30,40 @@ MEASURED = ("on CUDA torch's flash varlen kernel (attn_implementation varlen) me
             "packed row, no attention to padding")
 
 
-def choose(spec, entry: dict, device: str) -> tuple[str | None, str]:
+def choose(spec, entry: dict, device: str, routed: bool = True, model: str = "<name>") -> tuple[str | None, str]:
     """The attention a train job loads its policy with, and why: the model's own setting, else varlen on CUDA for
-    trainers that do not generate, else transformers' default (None: sdpa)."""
+    trainers that do not generate, else transformers' default (None: sdpa). `routed`: the model's class runs its
+    attention through transformers' AttentionInterface (routes_attention); a class that does not would ignore
+    varlen and attend across a flattened batch's sequences."""
     if entry.get("attn_implementation"):
-        return entry["attn_implementation"], "set by models.<name>.attn_implementation"
+        if entry["attn_implementation"] == NAME and not routed:
+            from snaketrl.errors import ConfigError
+
+            raise ConfigError(f"config: models.{model}.attn_implementation {NAME}: this model's class does not run its "
+                              f"attention through transformers' AttentionInterface, so it would ignore {NAME}; "
+                              f"use sdpa or flash_attention_2")
+        return entry["attn_implementation"], f"set by models.{model}.attn_implementation"
     if device != "cuda":
         return None, "transformers' default (sdpa): torch's varlen kernel needs CUDA"
     if spec.generates:
         return None, "transformers' default (sdpa): the trainer generates, which needs a KV cache varlen lacks"
+    if not routed:
+        return None, "transformers' default (sdpa): the model's class does not use transformers' AttentionInterface"
     return NAME, MEASURED
+
+
+def routes_attention(model_dir, model_class: str, trust_remote_code: bool = False) -> bool:
+    """Whether the transformers class `model_class` (an Auto class name) loads `model_dir` as a model that runs
+    its attention through AttentionInterface (transformers' `_supports_attention_backend`). Code from the
+    model's repository is not looked into: False."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    try:
+        cls = getattr(transformers, model_class)._model_mapping[type(config)]
+    except KeyError:
+        return False
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def register() -> None:

@@ -21,7 +21,7 @@ from snaketrl.train.args import (build_args, check_args, check_hardware, check_l
                                  split_batch)
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
-from snaketrl.train.attention import unpad
+from snaketrl.train.attention import routes_attention, unpad
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -171,7 +171,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
     sharded = run["distributed"] in SHARDED and world > 1
-    attention, why = choose_attention(spec, entry, device)
+    wants = entry.get("attn_implementation") == "varlen" or (device == "cuda" and not entry.get("attn_implementation"))
+    routed = not wants or routes_attention(model_dir, spec.model_class, entry.get("trust_remote_code", False))
+    attention, why = choose_attention(spec, entry, device, routed, run["model"])
     log.info("%s: attention %s: %s", run["name"], attention or "sdpa", why)
     model = load_model(model_dir, run["model"], {**entry, "attn_implementation": attention}, args.bf16,
                        spec.task_type, sharded=sharded)
