@@ -188,7 +188,6 @@ def unpad(decoder) -> list:
     nothing on padding (TRL 1.12 has no padding-free path for DPO, reward, KTO or ORPO). Forwards with a KV cache
     (generation) and batches without padding pass unchanged. Returns the hook handles."""
     import torch
-    import torch.nn.functional as F
 
     pending = []  # per decoder call: (index of the real tokens, rows, width), or None
 
@@ -204,12 +203,9 @@ def unpad(decoder) -> list:
             pending.append(None)
             return None
         rows, width = ids.shape
-        index = keep.reshape(-1).nonzero().squeeze(-1)
+        index, cu, longest = sequences(rows, width, keep, None)
         positions = kwargs.get("position_ids")
         positions = (positions if positions is not None else torch.arange(width, device=ids.device)).expand(rows, width)
-        lengths = keep.sum(-1, dtype=torch.int32)
-        cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-        longest = int(lengths.max())
         pending.append((index, rows, width))
         kwargs = {**kwargs, "input_ids": ids.reshape(-1)[index][None], "attention_mask": None,
                   "position_ids": positions.reshape(-1)[index][None], "use_cache": False,

@@ -171,8 +171,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     entry = run["model_entry"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
     sharded = run["distributed"] in SHARDED and world > 1
-    wants = entry.get("attn_implementation") == "varlen" or (device == "cuda" and not entry.get("attn_implementation"))
-    routed = not wants or routes_attention(model_dir, spec.model_class, entry.get("trust_remote_code", False))
+    routed = routes_attention(model_dir, spec.model_class, entry.get("trust_remote_code", False))
     attention, why = choose_attention(spec, entry, device, routed, run["model"])
     log.info("%s: attention %s: %s", run["name"], attention or "sdpa", why)
     model = load_model(model_dir, run["model"], {**entry, "attn_implementation": attention}, args.bf16,
