@@ -217,3 +217,35 @@ def test_a_varlen_dpo_run_trains_padding_free_to_the_padded_runs_losses(tmp_path
     assert metrics["sdpa"]["token_efficiency"] < 0.95 and metrics["varlen"]["token_efficiency"] == 1.0
     assert metrics["varlen"]["real_tokens"] == metrics["sdpa"]["real_tokens"]
     assert len(logs["varlen"]) == 3 and logs["varlen"] == pytest.approx(logs["sdpa"], rel=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_trls_flash_attention_warning_is_answered_under_varlen_only(tiny_model_dir, tmp_path, caplog, attention):
+    """TRL's SFTTrainer, built for packed (padding-free) SFT, warns by attn_implementation's name that sequences may
+    attend to each other unless a flash variant is set. Under varlen the job's log says instead why it does not
+    apply; under sdpa TRL's warning stays. TRL's own text: if TRL rewords it, this fails."""
+    import logging
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from snaketrl.train.attention import answering_trl_flash_warnings
+
+    model = model_with(tiny_model_dir, attention)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = Dataset.from_list([{"prompt": "TL;DR: a b c", "completion": " d e"}] * 4)
+    args = SFTConfig(output_dir=str(tmp_path), packing=True, max_length=64, report_to="none", bf16=False,
+                     activation_checkpointing=False)
+    with caplog.at_level(logging.INFO), answering_trl_flash_warnings(attention, "sft-qwen2-tiny"):
+        SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trl_warned = [r.getMessage().removeprefix("[RANK 0] ")[:45] for r in caplog.records
+                  if r.name == "trl.trainer.sft_trainer" and "Flash Attention" in r.getMessage()]
+    answered = [r.getMessage() for r in caplog.records if r.name == "snaketrl.train"]
+    if attention == "varlen":
+        assert trl_warned == [] and len(answered) == 1 and answered[0].startswith(
+            "sft-qwen2-tiny: TRL's warning that packed or padding-free batches need a flash attention variant "
+            "does not apply: varlen is one")
+    else:
+        assert trl_warned == ["Padding-free training is enabled, but the att",
+                              "You are using packing, but the attention impl"] and answered == []

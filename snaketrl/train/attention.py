@@ -13,7 +13,9 @@ the same result, one call per sequence."""
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
+from contextlib import contextmanager
 
 NAME = "varlen"
 
@@ -28,6 +30,39 @@ _last: tuple = (None, (), None)
 MEASURED = ("on CUDA torch's flash varlen kernel (attn_implementation varlen) measured 2.0x sdpa's real tokens/s "
             "for packed SFT and 1.4x for padded DPO pairs on an H200, with the same eval loss: no dense mask over a "
             "packed row, no attention to padding")
+
+
+# TRL's SFTTrainer warns, going by attn_implementation's name alone, that packed and padding-free batches need one
+# of its flash attention variants or sequences may attend to each other. varlen is such a variant under its own
+# name (tests/test_attention.py: each sequence's loss and gradients are those of the sequence alone).
+TRL_FLASH_WARNINGS = ("You are using packing, but the attention implementation is not set to a supported Flash",
+                      "Padding-free training is enabled, but the attention implementation is not set to a supported")
+
+
+@contextmanager
+def answering_trl_flash_warnings(attention: str | None, run: str):
+    """While TRL's trainer is built: under varlen, TRL_FLASH_WARNINGS are replaced by one line in the job's log
+    that says why they do not apply. Any other attention keeps them."""
+    if attention != NAME:
+        yield
+        return
+    trl_logger, dropped = logging.getLogger("trl.trainer.sft_trainer"), []
+
+    def answered(record):
+        if any(warning in record.getMessage() for warning in TRL_FLASH_WARNINGS):  # after accelerate's [RANK n]
+            dropped.append(record)
+            return False
+        return True
+
+    trl_logger.addFilter(answered)
+    try:
+        yield
+    finally:
+        trl_logger.removeFilter(answered)
+    if dropped:
+        logging.getLogger("snaketrl.train").info(
+            "%s: TRL's warning that packed or padding-free batches need a flash attention variant does not apply: "
+            "varlen is one (torch's flash varlen kernel; each sequence attends only to itself)", run)
 
 
 def choose(spec, entry: dict, device: str, routed: bool = True, model: str = "<name>") -> tuple[str | None, str]:

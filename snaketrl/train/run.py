@@ -21,7 +21,7 @@ from snaketrl.train.args import (build_args, check_args, check_hardware, check_l
                                  split_batch)
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
-from snaketrl.train.attention import routes_attention, unpad
+from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -193,9 +193,10 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         from snaketrl.train.sampler import with_grouped_sampler
 
         trainer_cls = with_grouped_sampler(trainer_cls, batch.get("group_rows"))
-    trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                          processing_class=tokenizer, peft_config=peft_config,
-                          callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
+    with answering_trl_flash_warnings(attention, run["name"]):
+        trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                              processing_class=tokenizer, peft_config=peft_config,
+                              callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
