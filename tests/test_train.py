@@ -1,3 +1,4 @@
+import copy
 import json
 import os
 
@@ -41,6 +42,48 @@ def test_build_args_sets_hardware_and_histogram_fields(tmp_path):
     # TRL's default is True; the hardware decides (off without a bf16 GPU)
     assert args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     assert args.report_to == [] or args.report_to == "none" or args.report_to == ["none"]
+
+
+
+def test_bf16_on_a_cpu_only_with_bf16_matrix_units_and_never_for_a_tiny_model(tmp_path, monkeypatch):
+    """On a CPU, bf16 where oneDNN has bf16 matrix units (AVX512-BF16, AMX) and the model may use it (a real one);
+    nowhere else: a config may only turn it off."""
+    import torch
+
+    from snaketrl.train import args as train_args
+
+    if not torch.cuda.is_available():
+        assert train_args.native_bf16() is torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert train_args.native_bf16(cpu=False) is False
+    common = dict(output_dir=str(tmp_path), max_length=64, seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for units in (True, False):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda units=units: units)
+        assert build_args("sft", {}, **common, cpu_bf16=True).bf16 is units
+        assert build_args("sft", {}, **common, cpu_bf16=False).bf16 is False
+        assert build_args("sft", {"bf16": False}, **common, cpu_bf16=True).bf16 is False
+
+
+def test_a_real_model_on_a_cpu_with_bf16_units_trains_in_bf16(tmp_path, config, tiny_model_dir, monkeypatch):
+    """The train job's side of it: a model that is not tiny, on a CPU whose oneDNN has bf16 matrix units (faked
+    here; this CPU emulates bf16), loads its weights in bf16 and trains under bf16 autocast, and its manifest says
+    so; the same model marked tiny stays in fp32."""
+    import torch
+
+    from test_trainers import prepare
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    dtypes = {}
+    for tiny in (False, True):
+        (tmp_path / str(tiny)).mkdir()
+        job = prepare(tmp_path / str(tiny), copy.deepcopy(config), tiny_model_dir, "sft")
+        if not tiny:
+            job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        metrics = train_run(**job)
+        manifest = json.loads((job["out_dir"] / "manifest.json").read_text())
+        dtypes[tiny] = manifest["numerics"]["dtype"]
+        assert manifest["trl_args"]["bf16"] is not tiny and metrics["train_loss"] > 0
+    assert dtypes == {False: "bfloat16", True: "float32"}
 
 
 def test_missing_lora_target_lists_the_model_modules(tiny_model_dir):

@@ -131,8 +131,10 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
     if device == "cuda":
         check_liger_model(run["args"], model_dir, run["name"], run["model"])
+    # A tiny model's numbers (learning checks, thresholds) are measured in fp32, and its 64-wide layers gain nothing
+    # from bf16 units: it trains in bf16 on a bf16 GPU only. A real model also on a CPU with bf16 matrix units.
     build = dict(output_dir=str(checkpoint_dir), max_length=lengths["max_length"], seed=run["seed"], run=run["name"],
-                 batching=batching)
+                 batching=batching, cpu_bf16="tiny" not in run["model_entry"])
     # Launched (snaketrl.train.distributed): this is one of `world` processes training together.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_args, batch = split_batch(run["trainer"], run["args"], world)
@@ -144,6 +146,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         log.info("%s: %d processes (%s): %s", run["name"], world, "gloo on CPUs" if device == "cpu" else "nccl on GPUs",
                  batch["note"])
     args = build_args(run["trainer"], run_args, **build)
+    if args.bf16 and device == "cpu":
+        log.info("%s: bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)",
+                 run["name"])
     checkpointing = args.activation_checkpointing
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
         checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, args, lengths["max_length"]),
