@@ -201,3 +201,46 @@ def test_a_run_that_makes_no_optimizer_step_fails_and_writes_nothing(sft_inputs,
                                             r"nothing was written$"):
         train_run(**sft_inputs, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("items", [None, 7])
+def test_the_one_pass_loss_is_trls_chunked_loss(items):
+    """snaketrl.train.labelled.one_pass_loss against TRL's chunked_nll loss (chunks of 4, recomputed): the same loss,
+    correct tokens, entropy and label tokens, and the same gradients, with prompt and padding labels (-100)."""
+    import torch
+
+    from snaketrl.train.labelled import one_pass_loss, trl_loss
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 9, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (2, 9))
+    labels[0, :3], labels[1, 6:] = -100, -100
+    results = []
+    for fn, chunk in ((trl_loss(), 4), (one_pass_loss, None)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, correct, entropy, count = fn(h, w, chunk, labels=labels, num_items_in_batch=items)
+        loss.backward()
+        results.append((loss, correct, entropy, count, h.grad, w.grad))
+    assert results[1][3].item() == results[0][3].item() == 11  # shifted: 2 x 8 targets, 2 + 3 of them -100
+    for ours, trls in zip(results[1], results[0]):
+        torch.testing.assert_close(ours.float(), trls.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp_path, config, tiny_model_dir):
+    """The train job's choice: SFT of a real model on a CPU computes logits only at label tokens
+    (logits_on_labels_only), to TRL's own loss: the same logged losses as the run that sets loss_type nll. A tiny
+    model keeps TRL's loss path (its thresholds were measured on it)."""
+    from test_trainers import prepare
+
+    losses = {}
+    for name, extra, tiny in (("one-pass", {}, False), ("nll", {"loss_type": "nll"}, False), ("tiny", {}, True)):
+        (tmp_path / name).mkdir()
+        job = prepare(tmp_path / name, copy.deepcopy(config), tiny_model_dir, "sft")
+        job["run"]["args"].update(extra)
+        if not tiny:  # the tiny model's files, as a real model's entry names them
+            job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        metrics = train_run(**job)
+        assert metrics["logits_on_labels_only"] is (name == "one-pass")
+        state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
+        losses[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses["nll"]) == 3 and losses["one-pass"] == pytest.approx(losses["nll"], rel=1e-5)

@@ -22,6 +22,8 @@ from snaketrl.train.args import (build_args, check_args, check_hardware, check_l
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
+from snaketrl.train.labelled import choose as choose_labelled
+from snaketrl.train.labelled import use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -183,6 +185,12 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                        spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
+    labelled, why = choose_labelled(run["trainer"], run["args"], device, model, run["lora"], "tiny" in entry)
+    if why:
+        log.info("%s: loss: %s", run["name"], why)
+    if labelled:
+        args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
+        use_one_pass()
     # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
     peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
@@ -237,7 +245,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     metrics.update(counter.summary(gather_steps(counter.steps, world)))
     metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
                    activation_checkpointing=bool(checkpointing), attn_implementation=attention or "sdpa",
-                   unpadded=unpadded)
+                   unpadded=unpadded, logits_on_labels_only=labelled)
     if dropped is not None:
         metrics["examples_dropped"] = dropped
     if world > 1:
