@@ -229,16 +229,22 @@ def test_the_one_pass_loss_is_trls_chunked_loss(items):
 def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp_path, config, tiny_model_dir):
     """The train job's choice: SFT of a real model on a CPU computes logits only at label tokens
     (logits_on_labels_only), to TRL's own loss: the same logged losses as the run that sets loss_type nll. A tiny
-    model keeps TRL's loss path (its thresholds were measured on it)."""
+    model, GPU runs and other trainers keep TRL's loss path (a tiny model's thresholds were measured on it)."""
+    from transformers import AutoModelForCausalLM
+
+    from snaketrl.train.labelled import choose
     from test_trainers import prepare
 
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert [choose(*case, model, {})[0] for case in (("sft", {}, "cpu"), ("sft", {}, "cuda"), ("dpo", {}, "cpu"))] \
+        == [True, False, False] and choose("sft", {}, "cpu", model, {}, tiny=True) == (False, None)
     losses = {}
-    for name, extra, tiny in (("one-pass", {}, False), ("nll", {"loss_type": "nll"}, False), ("tiny", {}, True)):
+    for name, extra in (("one-pass", {}), ("nll", {"loss_type": "nll"})):
         (tmp_path / name).mkdir()
         job = prepare(tmp_path / name, copy.deepcopy(config), tiny_model_dir, "sft")
         job["run"]["args"].update(extra)
-        if not tiny:  # the tiny model's files, as a real model's entry names them
-            job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        # the tiny model's files, as a real model's entry names them
+        job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
         metrics = train_run(**job)
         assert metrics["logits_on_labels_only"] is (name == "one-pass")
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())

@@ -59,7 +59,8 @@ def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool 
     if "loss_type" in args:
         return False, f"loss_type {args['loss_type']} (the config's)"
     head = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
-    adapted = {lora.get(key)} if isinstance(lora.get(key := "target_modules"), str) else set(lora.get(key) or [])
+    targets = lora.get("target_modules") or []
+    adapted = {targets} if isinstance(targets, str) else set(targets)  # "all-linear" leaves the output projection out
     adapted |= set(lora.get("modules_to_save") or [])
     if head.rsplit(".", 1)[-1] in adapted:
         return False, f"TRL's loss on all positions: the output projection {head} is adapted (lora)"
