@@ -97,7 +97,11 @@ def native_bf16(cpu: bool = True) -> bool:
 
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    return cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # A build without oneDNN (or without the op) has no bf16 kernels to use
+    try:
+        return cpu and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",

@@ -58,7 +58,10 @@ def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool 
         return False, None
     if "loss_type" in args:
         return False, f"loss_type {args['loss_type']} (the config's)"
-    head = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
+    output = model.get_output_embeddings()
+    head = next((name for name, module in model.named_modules() if output is not None and module is output), None)
+    if head is None:
+        return False, "TRL's loss: the model has no output projection of its own to skip positions of"
     targets = lora.get("target_modules") or []
     adapted = {targets} if isinstance(targets, str) else set(targets)  # "all-linear" leaves the output projection out
     adapted |= set(lora.get("modules_to_save") or [])

@@ -135,8 +135,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         check_liger_model(run["args"], model_dir, run["name"], run["model"])
     # A tiny model's numbers (learning checks, thresholds) are measured in fp32, and its 64-wide layers gain nothing
     # from bf16 units: it trains in bf16 on a bf16 GPU only. A real model also on a CPU with bf16 matrix units.
+    tiny = "tiny" in run["model_entry"]
     build = dict(output_dir=str(checkpoint_dir), max_length=lengths["max_length"], seed=run["seed"], run=run["name"],
-                 batching=batching, cpu_bf16="tiny" not in run["model_entry"])
+                 batching=batching, cpu_bf16=not tiny)
     # Launched (snaketrl.train.distributed): this is one of `world` processes training together.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run_args, batch = split_batch(run["trainer"], run["args"], world)
@@ -185,7 +186,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                        spec.task_type, sharded=sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
-    labelled, why = choose_labelled(run["trainer"], run["args"], device, model, run["lora"], "tiny" in entry)
+    labelled, why = choose_labelled(run["trainer"], run["args"], device, model, run["lora"], tiny)
     if why:
         log.info("%s: loss: %s", run["name"], why)
     if labelled:
