@@ -26,6 +26,7 @@ shipped = partial(os.path.join, WORKFLOW_ROOT)
 from snaketrl.config import check, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import SnaketrlError
+from snaketrl.forkserver import offer
 from snaketrl.train.distributed import rule_gpus
 
 # A --configfile on the command line replaces the offline default instead of being merged
@@ -52,6 +53,15 @@ try:
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:
     sys.exit(f"snaketrl: {err}")
+
+# Jobs of tiny models spend most of their CPU importing torch and friends: where every model is tiny and jobs
+# run here on CPUs, one warm process imports them once and forks the jobs (snaketrl/forkserver.py).
+offer(
+    all("tiny" in entry for entry in config["models"].values())
+    and not TRAIN_GPUS
+    and workflow.local_exec
+    and not (workflow.remote_exec or workflow.subprocess_exec)
+)
 
 
 include: "rules/common.smk"

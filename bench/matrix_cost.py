@@ -23,7 +23,11 @@ def per_trainer(workdir: Path) -> pd.DataFrame:
             continue
         trainer = json.loads(manifest.read_text())["config"]["trainer"]
         b = pd.read_csv(bench, sep="\t").iloc[0]
-        rows.append({"trainer": trainer, "run": bench.stem, "s": float(b["s"]), "max_rss_mb": float(b["max_rss"])})
+        # The job's own peak where the fork server ran it (snaketrl.forkserver): the benchmark measured its waiter.
+        metrics = workdir / paths.run_file(bench.stem, "metrics.json")
+        own = json.loads(metrics.read_text()).get("peak_rss_bytes", 0) / 2**20 if metrics.is_file() else 0
+        rows.append({"trainer": trainer, "run": bench.stem, "s": float(b["s"]),
+                     "max_rss_mb": max(float(b["max_rss"]), own)})
     df = pd.DataFrame(rows)
     return df.groupby("trainer").agg(runs=("run", "count"), mean_s=("s", "mean"), max_rss_mb=("max_rss_mb", "max"))
 

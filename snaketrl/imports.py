@@ -20,6 +20,20 @@ def skip_bitsandbytes_without_cuda() -> None:
         _absent("bitsandbytes")
 
 
+def skip_deepspeed_inference_ops() -> None:
+    """DeepSpeed on CPUs builds its shared-memory all-reduce whenever its communication starts: a C++ extension
+    compiled on first use (about 110 s of a 2-core machine's CPU, once per machine and torch version) that only
+    its inference_all_reduce calls. ZeRO training reduces through torch.distributed (gloo) either way. Marked
+    incompatible, it is neither built nor loaded (inference_all_reduce would fall back to torch.distributed).
+    Call before DeepSpeed's communication starts (before the training arguments are built)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def data_job() -> None:
     """First thing in a data-env job that loads tokenizers (the length and prompt jobs). envs/data.yaml has no
     torch, and these jobs need none; where one environment holds everything (README's set-up), transformers
@@ -37,9 +51,16 @@ def _absent(module: str) -> None:
 
 
 def start_job() -> None:
-    """First thing in every training-side process: `skip_bitsandbytes_without_cuda`, then `pause_collector`."""
+    """First thing in every training-side process: where the workflow's fork server runs, hand the job to it
+    (snaketrl.forkserver); else `skip_bitsandbytes_without_cuda`, then `pause_collector`, and start that server
+    where this job is the first."""
+    from snaketrl import forkserver
+
+    first = forkserver.hand_over()
     skip_bitsandbytes_without_cuda()
     pause_collector()
+    if first:
+        forkserver.start(*first)
 
 
 def pause_collector() -> None:

@@ -22,7 +22,7 @@ def logged(snakemake, offline: bool = True):
     else as an internal error whose traceback is in the log. Every job but a download runs offline, on the
     local copies the download rules made (cluster nodes often have no internet)."""
     if offline:
-        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        go_offline()
     log_path = snakemake.log[0]
     with open(log_path, "w", buffering=1) as log, redirect_stdout(log), redirect_stderr(log), _logging_to(log):
         try:
@@ -33,6 +33,16 @@ def logged(snakemake, offline: bool = True):
             traceback.print_exc(file=log)
             message = _one_line(f"{type(err).__name__}: {err}", MAX_INTERNAL_MESSAGE)
             _fail(snakemake.rule, f"internal error: {message} (full traceback in {log_path})", log)
+
+
+def go_offline() -> None:
+    """Offline for the Hub from here on, whether or not huggingface_hub and datasets are imported yet: they
+    read these variables once, at import (a job of the workflow's fork server finds them imported)."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if hub := sys.modules.get("huggingface_hub.constants"):
+        hub.HF_HUB_OFFLINE = True
+    if datasets := sys.modules.get("datasets.config"):
+        datasets.HF_HUB_OFFLINE = datasets.HF_DATASETS_OFFLINE = True
 
 
 def _fail(rule: str, message: str, log) -> None:
@@ -49,14 +59,21 @@ def _one_line(text: str, limit: int | None = None) -> str:
 
 @contextmanager
 def _logging_to(log):
-    """Root logging into the log for the block; the previous handlers come back after (tests call this twice)."""
+    """Root logging into the log for the block; the previous handlers come back after (tests call this twice).
+    So do the handlers libraries made at import (transformers', datasets'), which hold the process's stderr of
+    that moment: a job of the workflow's fork server (snaketrl.forkserver) imported them before its log opened."""
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     handler = logging.StreamHandler(log)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    moved = [h for name in list(logging.Logger.manager.loggerDict) for h in logging.getLogger(name).handlers
+             if isinstance(h, logging.StreamHandler) and h.stream in (sys.__stderr__, sys.__stdout__)]
+    streams = [h.setStream(log) for h in moved]
     try:
         yield
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+        for h, stream in zip(moved, streams):
+            h.setStream(stream)

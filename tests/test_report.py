@@ -29,7 +29,9 @@ def _fake_results(root):
                                             "batching": {"strategy": "grouped", "requested": "auto", "args": {},
                                                          "reason": "why", "expected_efficiency": 0.9,
                                                          "padding_efficiency": 0.7}}))
-        f["metrics"].write_text(json.dumps({"token_efficiency": 0.88, "real_tokens_per_second": 1234.5}))
+        # dpo-b ran in the fork server (snaketrl.forkserver): its benchmark measured the waiting process only.
+        f["metrics"].write_text(json.dumps({"token_efficiency": 0.88, "real_tokens_per_second": 1234.5,
+                                            "peak_rss_bytes": (700 if run == "dpo-b" else 300) * 2**20}))
         f["histograms"].write_bytes(f["curves"].read_bytes())
         pd.DataFrame({"s": [3.0], "max_rss": [512.0]}).to_csv(f["benchmarks"], sep="\t", index=False)
         f["summaries"].write_text(json.dumps({"train": {"rows": 10, "dropped": 2 if run == "dpo-b" else 0},
@@ -51,7 +53,7 @@ def test_report_is_self_contained_and_lists_every_run(tmp_path):
     assert table["eval loss"].tolist() == [0.6, 0.6]
     assert table["train loss (last log)"].tolist() == [0.5, 0.5]
     assert table["headline (first → last log)"].tolist() == ["rewards/margins 0 → 0.4"] * 2
-    assert table["peak RSS (MB)"].tolist() == [512, 512]
+    assert table["peak RSS (MB)"].tolist() == [512, 700]  # the larger of Snakemake's and the job's own
     assert table["batching"].tolist() == ["grouped"] * 2
     assert table["expected efficiency"].tolist() == [0.9, 0.9] and table["token efficiency"].tolist() == [0.88, 0.88]
     assert "<b>88.0%</b> real tokens,\n1,234 real tokens/s" in html

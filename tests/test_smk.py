@@ -93,3 +93,39 @@ def test_a_rule_script_prints_no_traceback_and_exits_1(tmp_path):
     assert done.stderr == ("snaketrl: error in rule tokenize_prompts: internal error: KeyError: 'attention_mask' "
                            f"(full traceback in {tmp_path / 'rule.log'})\n")
     assert "Traceback (most recent call last)" in (tmp_path / "rule.log").read_text()
+
+
+def test_a_job_goes_offline_even_where_the_hub_libraries_are_imported_already(monkeypatch):
+    """A job of the fork server finds huggingface_hub and datasets imported, their offline switches read."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from snaketrl.smk import go_offline
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    go_offline()
+    assert huggingface_hub.constants.is_offline_mode()
+    assert datasets.config.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_a_library_handler_made_before_the_log_opened_writes_into_the_log(tmp_path, capfd):
+    """transformers makes its handler at import, on the stderr of that moment; a job of the fork server
+    imported it before its log opened, and its warnings still belong in that log."""
+    library = logging.getLogger("snaketrl.test_library")
+    handler = logging.StreamHandler(sys.__stderr__)
+    library.addHandler(handler)
+    library.propagate = False
+    try:
+        smk = fake_snakemake(tmp_path)
+        with logged(smk, offline=False):
+            library.warning("a library's warning")
+        assert handler.stream is sys.__stderr__
+    finally:
+        library.removeHandler(handler)
+    assert "a library's warning" in open(smk.log[0]).read()
+    assert "a library's warning" not in capfd.readouterr().err

@@ -50,8 +50,12 @@ def summarize(run: str, entry: dict, state: dict, lengths: dict, benchmark: pd.D
         "runtime (s)": last_value(history, "train_runtime"),
         "samples/s": last_value(history, "train_samples_per_second"),
     }
-    if benchmark is not None and "max_rss" in benchmark:
-        row["peak RSS (MB)"] = float(benchmark["max_rss"].iloc[0])
+    # Both are lower bounds of the job's peak: Snakemake samples its process tree (all ranks, but the waiting
+    # process alone where the fork server ran the job: snaketrl.forkserver); the job records its own process's.
+    peaks = [float(benchmark["max_rss"].iloc[0])] if benchmark is not None and "max_rss" in benchmark else []
+    peaks += [metrics["peak_rss_bytes"] / 2**20] if metrics.get("peak_rss_bytes") else []
+    if peaks:
+        row["peak RSS (MB)"] = max(peaks)
     row["headline (first → last log)"] = ", ".join(
         f"{key} {_fmt(first_value(history, key))} → {_fmt(last_value(history, key))}"
         for key in REGISTRY[entry["trainer"]].headline if last_value(history, key) is not None)
