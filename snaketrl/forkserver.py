@@ -15,9 +15,10 @@ sets its threads (the default's every logged number compared, served and not: do
 What stays the job process's own: Snakemake's benchmark file of a served job records the waiting process (its
 wall time is the job's; its CPU and memory columns are not), so runs record their own peak memory
 (`peak_rss_bytes` in metrics.json) and `SNAKETRL_FORKSERVER=0` turns serving off. Never served: jobs under SLURM
-or on another machine (the Snakemake process must be an ancestor of the job), another interpreter or
-environment (a conda env, other variables than Snakemake's per-job threads and tmpdir), or a machine with a
-CUDA GPU (a process that has touched CUDA cannot be forked)."""
+or on another machine (the Snakemake process must be an ancestor of the job), jobs whose interpreter, its flags
+or environment variables differ from the first job's (Snakemake's per-job threads and tmpdir aside; such a job
+says so and runs in its own process), and jobs where a CUDA GPU is visible (a process that has touched CUDA
+cannot be forked)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ def _hand_over(sock: str) -> None:
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    socket.send_fds(conn, [json.dumps(_request()).encode() + b"\n"], [0, 1, 2])
+    socket.send_fds(conn, [b"R"], [0, 1, 2])  # one byte carries the streams; sendall the rest, whatever its size
+    conn.sendall(json.dumps(_request()).encode() + b"\n")
     replies = conn.makefile("rb")
     reply = json.loads(replies.readline() or b"{}")
     if "pid" not in reply:
@@ -256,12 +258,10 @@ def _refusal(request: dict, me: dict) -> str | None:
 def _handle(conn: socket.socket, me: dict) -> None:
     """One job: fork its child, pass on the signals its process sends, kill the child if that process dies."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
-    while not message.endswith(b"\n"):
-        more = conn.recv(1 << 22)
-        if not more:
-            return
-        message += more
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    message = conn.makefile("rb").readline()
+    if len(fds) != 3 or not message.endswith(b"\n"):
+        return
     request = json.loads(message)
     if refused := _refusal(request, me):
         conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")

@@ -68,7 +68,8 @@ def _logging_to(log):
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    moved = [h for name in list(logging.Logger.manager.loggerDict) for h in logging.getLogger(name).handlers
+    loggers = [x for x in list(logging.Logger.manager.loggerDict.values()) if isinstance(x, logging.Logger)]
+    moved = [h for x in loggers for h in x.handlers
              if isinstance(h, logging.StreamHandler) and h.stream in (sys.__stderr__, sys.__stdout__)]
     streams = [h.setStream(log) for h in moved]
     try:
