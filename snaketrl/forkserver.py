@@ -29,6 +29,8 @@ import signal
 import socket
 import sys
 
+from snaketrl.processes import die_with_parent
+
 ENV = "SNAKETRL_FORKSERVER"
 # What Snakemake sets for each job (snakemake.shell): the job applies its threads itself (torch.set_num_threads).
 PER_JOB = {"OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -270,10 +272,11 @@ def _handle(conn: socket.socket, me: dict) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    handler = os.getpid()
     child = os.fork()
     if child == 0:
-        _die_with(handler)
+        # Killed when its handler dies: a kill of Snakemake's whole process group (a test's timeout, the OOM
+        # killer) reaches the job's process, the server and its handlers, not this group of its own.
+        die_with_parent()
         signal.set_wakeup_fd(-1)
         for fd in (wake_r, wake_w):
             os.close(fd)
@@ -297,17 +300,6 @@ def _handle(conn: socket.socket, me: dict) -> None:
                 return
             for signum in data.split():
                 _kill(child, int(signum))
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when its parent, the job's handler, dies: a kill of Snakemake's whole process group
-    (a test's timeout, the OOM killer) reaches the waiting job process, the server and its handlers, not this
-    child, which is in a group of its own."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _kill(child: int, signum: int) -> None:

@@ -6,6 +6,8 @@ import atexit
 import gc
 import sys
 
+from snaketrl import forkserver
+
 
 def skip_bitsandbytes_without_cuda() -> None:
     """bitsandbytes serves only QLoRA, which needs a CUDA GPU (snaketrl.train.args.check_hardware refuses it
@@ -54,8 +56,6 @@ def start_job() -> None:
     """First thing in every training-side process: where the workflow's fork server runs, hand the job to it
     (snaketrl.forkserver); else `skip_bitsandbytes_without_cuda`, then `pause_collector`, and start that server
     where this job is the first."""
-    from snaketrl import forkserver
-
     first = forkserver.hand_over()
     skip_bitsandbytes_without_cuda()
     pause_collector()

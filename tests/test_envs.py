@@ -402,7 +402,7 @@ def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
     where no CUDA GPU is visible, and pauses the cyclic collector until the job's imports are done."""
     launched = ROOT / "snaketrl" / "train" / "__main__.py"
     for script in [*env_scripts()[ROOT / "envs" / "train.yaml"], launched]:
-        before = {"snaketrl.train.distributed"} if script == launched else set()  # die_with_parent
+        before = {"snaketrl.processes"} if script == launched else set()  # die_with_parent
         assert calls_first(script, "start_job()", before), f"{script.name} imports snaketrl before it starts the job"
     check = ("import gc, sys\nfrom snaketrl.imports import imports_done, start_job\nstart_job()\n"
              "import peft, transformers\nfrom peft.import_utils import is_bnb_available\n"

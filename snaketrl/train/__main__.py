@@ -1,6 +1,6 @@
 """`python -m snaketrl.train JOB.json [JOB.json ...]`: what a launched job runs in each of its processes."""
 
-from snaketrl.train.distributed import die_with_parent
+from snaketrl.processes import die_with_parent
 
 die_with_parent()  # first: a launcher killed while this process imports takes it along too
 

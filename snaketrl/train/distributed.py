@@ -9,7 +9,6 @@ own process only launches.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import re
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snaketrl.errors import ConfigError, TrainingError
+from snaketrl.processes import die_with_parent
 
 # One shipped accelerate config per mode, named after it; a job with more than one GPU launches with it.
 MODES = ("ddp", "fsdp", "zero2", "zero3")
@@ -198,23 +198,6 @@ def check_launcher(mode: str, run: str, p: Plan | None = None) -> None:
     if p is not None and not p.gpu and mode in CPU_LESS:
         raise ConfigError(f"config: run '{run}': distributed: {mode} needs GPUs (accelerate has no CPU route for "
                           f"FSDP), and this job has none in its resources: use ddp, zero2 or zero3 on CPUs")
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send `sig` to this process when its parent ends, however it ends (a SIGKILL at a
-    cluster's time limit leaves no handler to run): the launcher's workers end with it, and it with the job.
-    Linux only (prctl); elsewhere a no-op."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent ended before the request: nobody would send it
-        os.kill(os.getpid(), sig)
 
 
 def launch_env(p: Plan, threads: int, mode: str = DEFAULT, environ=None) -> dict:

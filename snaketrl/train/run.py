@@ -19,7 +19,7 @@ from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train.args import (build_args, check_args, check_hardware, check_liger_model, check_switches,
                                  split_batch)
-from snaketrl.train.distributed import DEEPSPEED, SHARDED
+from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
 from snaketrl.train.labelled import choose as choose_labelled
@@ -145,7 +145,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         # DeepSpeed on CPUs: without a backend named, accelerate finds none and counts one process while
         # DeepSpeed's group has them all (each process would train on all the data).
         run_args = {**run_args, "ddp_backend": "gloo"}
-        if run["distributed"] in DEEPSPEED or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # accelerate's launch, for zero2 and zero3
             skip_deepspeed_inference_ops()
     if world > 1:
         log.info("%s: %d processes (%s): %s", run["name"], world, "gloo on CPUs" if device == "cpu" else "nccl on GPUs",
