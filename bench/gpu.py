@@ -179,6 +179,10 @@ def worker(job_file: str) -> None:
     cuda = torch.cuda.is_available()
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
+    if job["arm"] == "snaketrl":
+        from snaketrl.processes import keep_freed_memory
+
+        keep_freed_memory()  # as every training-side job does (snaketrl.imports.start_job)
     metrics = (snaketrl_choice if job["arm"] == "snaketrl" else plain_trl)(job)
     from snaketrl.manifest import cpu_model
 

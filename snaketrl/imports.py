@@ -7,6 +7,7 @@ import gc
 import sys
 
 from snaketrl import forkserver
+from snaketrl.processes import keep_freed_memory
 
 
 def skip_bitsandbytes_without_cuda() -> None:
@@ -55,8 +56,9 @@ def _absent(module: str) -> None:
 def start_job() -> None:
     """First thing in every training-side process: where the workflow's fork server runs, hand the job to it
     (snaketrl.forkserver); else `skip_bitsandbytes_without_cuda`, then `pause_collector`, and start that server
-    where this job is the first."""
+    where this job is the first. Every job keeps the memory it frees for itself (`keep_freed_memory`)."""
     first = forkserver.hand_over()
+    keep_freed_memory()
     skip_bitsandbytes_without_cuda()
     pause_collector()
     if first:

@@ -22,3 +22,25 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent:  # the parent ended before the request: nobody would send it
         os.kill(os.getpid(), sig)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep what a CPU job frees for the job's next allocations. By default it gives every
+    allocation above 32 MB a fresh mmap and unmaps it at free: one [label tokens, vocabulary] logits tensor of a
+    real model (SmolLM2: 1,000 × 49,152 floats, 197 MB) and each temporary the loss makes of it then start on
+    untouched pages, and the kernel's page faults and zeroing cost several times the arithmetic (an elementwise
+    multiply 113 ms against 16 ms, log_softmax 144 against 41, on a 2-core AMD EPYC). torch's CPU launcher
+    (torch.backends.xeon.run_cpu) gets the same from jemalloc told never to give memory back. The price is memory
+    held: glibc cannot always reuse a freed block for an aligned one of the same size, so the heap settles above
+    the job's need. SFT of SmolLM2 on LIMA (bench/gpu.py, 6 steps): 144 against 128 real tokens/s (two runs
+    each), peak RSS 6.76 against 6.06 GB; 120 steps of the loss alone at 300-1,200 tokens: 184 against 228 s,
+    peak 2.1 against 1.1 GB, flat from the 20th step on. True where set (Linux with glibc), else False."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS): its allocator as it is
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, 2 ** 30) and mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))

@@ -202,13 +202,20 @@ def _losses_and_grads(trainer, batches, items):
 def test_row_groups_give_the_same_losses_and_gradients(trainer_name, dataset, layout, items, tiny_model_dir,
                                                        tmp_path):
     from snaketrl.train.batching import split_rows
+    from snaketrl.train.cost import decoder
 
     trainer = _batch_trainer(trainer_name, tiny_model_dir, _rows(dataset, trainer_name, layout, 24), tmp_path)
     batches = list(trainer.get_train_dataloader())
+    masks = []
+    decoder(trainer.model).register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
     whole, whole_tokens = _losses_and_grads(trainer, batches, items)
+    assert trainer.model.config._attn_implementation == "sdpa" and all(mask is not None for mask in masks)
+    masks.clear()
     split_rows(trainer.model)
     split, split_tokens = _losses_and_grads(trainer, batches, items)
     assert len(split) == 3 and split_tokens < whole_tokens  # shorter forwards, not one padded to the longest row
+    assert len(masks) >= 3 and masks == [None] * len(masks)  # right-padded groups: sdpa's causal kernel, no mask
     for (loss, grads), (split_loss, split_grads) in zip(whole, split):
         assert split_loss == pytest.approx(loss, abs=1e-5) and split_grads.keys() == grads.keys()
         for name, grad in grads.items():

@@ -413,3 +413,25 @@ def test_training_side_jobs_skip_bitsandbytes_without_a_gpu():
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["None", "False", "False", "True", "True", "True"]
+
+
+def test_training_side_jobs_keep_freed_memory():
+    """glibc maps each block over 32 MB afresh and unmaps it at free, so a job's next logits tensor of that size
+    starts on untouched pages; after start_job such a block comes from the heap and stays there once freed
+    (snaketrl.processes.keep_freed_memory), as glibc's own accounting says (mallinfo2: mapped bytes, heap bytes)."""
+    check = ("import ctypes, json, sys, torch\n"
+             "if sys.argv[1] == 'job':\n    from snaketrl.imports import start_job\n    start_job()\n"
+             "class Info(ctypes.Structure):\n    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks "
+             "hblkhd usmblks fsmblks uordblks fordblks keepcost').split()]\n"
+             "libc = ctypes.CDLL(None)\nlibc.mallinfo2.restype = Info\n"
+             "x = torch.empty(2 ** 26)\nheld = libc.mallinfo2()\ndel x\nfreed = libc.mallinfo2()\n"
+             "print(json.dumps({'mapped': held.hblkhd, 'heap_after_free': freed.arena}))")
+    info = {}
+    for mode in ("plain", "job"):
+        proc = subprocess.run([sys.executable, "-c", check, mode], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "SNAKETRL_FORKSERVER": "0"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        info[mode] = json.loads(proc.stdout)
+    block = 2 ** 28  # 256 MB
+    assert info["plain"]["mapped"] >= block and info["plain"]["heap_after_free"] < block, info
+    assert info["job"]["mapped"] < block and info["job"]["heap_after_free"] >= block, info

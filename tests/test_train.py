@@ -236,8 +236,9 @@ def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp
     from test_trainers import prepare
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert [choose(*case, model, {})[0] for case in (("sft", {}, "cpu"), ("sft", {}, "cuda"), ("dpo", {}, "cpu"))] \
-        == [True, False, False] and choose("sft", {}, "cpu", model, {}, tiny=True) == (False, None)
+    assert [choose(*case, model, {})[0] for case in (("sft", {}, "cpu"), ("sft", {}, "cuda"), ("dpo", {}, "cuda"),
+                                                     ("reward", {}, "cpu"))] \
+        == [True, False, False, False] and choose("sft", {}, "cpu", model, {}, tiny=True) == (False, None)
     losses = {}
     for name, extra in (("one-pass", {}), ("nll", {"loss_type": "nll"})):
         (tmp_path / name).mkdir()
@@ -250,3 +251,38 @@ def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
         losses[name] = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses["nll"]) == 3 and losses["one-pass"] == pytest.approx(losses["nll"], rel=1e-5)
+
+
+@pytest.mark.parametrize("row_groups", [False, True])
+def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, config, tiny_model_dir, row_groups):
+    """DPO of a real model on a CPU computes the policy's and the reference's logits only from each batch's (row
+    group's) first completion token on (snaketrl.train.labelled.completion_logits): the same logged losses,
+    rewards and eval loss as TRL's logits at every position (the run of the same model as a tiny one, which keeps
+    them), for fewer FLOPs."""
+    from snaketrl.train.labelled import choose
+    from test_trainers import prepare
+
+    from transformers import AutoModelForCausalLM
+
+    assert choose("dpo", {}, "cpu", AutoModelForCausalLM.from_pretrained(tiny_model_dir), {})[0]
+    logs, metrics = {}, {}
+    for name in ("completions", "tiny"):
+        (tmp_path / name).mkdir()
+        job = prepare(tmp_path / name, copy.deepcopy(config), tiny_model_dir, "dpo")
+        if row_groups:  # the length stage's CPU choice: length-grouped batches, each in two row groups
+            job["lengths_file"].write_text(json.dumps({"max_length": 64, "batching_by_device": {"cpu": {
+                "strategy": "grouped", "split_rows": True, "args": {"train_sampling_strategy": "group_by_length",
+                "remove_unused_columns": False, "length_column_name": "snaketrl_length"}}}}))
+        if name == "completions":  # the tiny model's files, as a real model's entry names them
+            job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        metrics[name] = train_run(**job)
+        assert metrics[name]["logits_on_labels_only"] is (name == "completions")
+        assert metrics[name]["row_groups"] is row_groups
+        state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
+        logs[name] = [{k: v for k, v in h.items() if k in ("loss", "rewards/chosen", "rewards/margins")}
+                      for h in state["log_history"] if "loss" in h]
+    assert len(logs["tiny"]) == 3 and all(len(h) == 3 for h in logs["tiny"])
+    for ours, trls in zip(logs["completions"], logs["tiny"], strict=True):
+        assert ours == pytest.approx(trls, rel=1e-4, abs=1e-6)
+    assert metrics["completions"]["eval_loss"] == pytest.approx(metrics["tiny"]["eval_loss"], rel=1e-5)
+    assert metrics["completions"]["flops"] < 0.97 * metrics["tiny"]["flops"]

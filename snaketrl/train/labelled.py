@@ -8,12 +8,22 @@ entropy TRL logs. It also spares what TRL's default loss does at every position 
 projection, and the entropy and argmax over the vocabulary for its logged metrics.
 
 bench/gpu.py on SmolLM2-135M-Instruct (SFT on LIMA, 20.5 % of the tokens prompt, 6 steps, 2-core AMD EPYC):
-93 real tokens/s before, 109 after (TRL's chunked_nll: 95), with the same train and eval losses."""
+93 real tokens/s before, 109 after (TRL's chunked_nll: 95), with the same train and eval losses.
+
+DPO's logits likewise, from each batch's first completion token on (`completion_logits`)."""
 
 from __future__ import annotations
 
+import inspect
+import types
+
 REASON = ("the vocabulary projection, loss and logged entropy only on label tokens, in one pass (TRL's "
           "chunked_nll without its recomputation; 1.17x real tokens/s for SmolLM2 SFT on a CPU)")
+
+
+DPO_REASON = ("the vocabulary projection of policy and reference from each batch's first completion token on: TRL's "
+              "DPO scores completion tokens only")
+COMPLETION = "snaketrl_completion_mask"  # the completion mask, on its way from the loss to the model's forward
 
 
 def one_pass_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_labels=None,
@@ -51,11 +61,18 @@ def one_pass_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_
 
 
 def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool = False) -> tuple[bool, str | None]:
-    """Whether a run computes its loss this way, and why (None: nothing to say): SFT of a real model on a CPU,
-    unless the config sets loss_type or an adapter wraps the output projection (TRL's chunked_nll reads its weight
-    directly). A tiny model keeps TRL's loss: its learning checks and thresholds were measured with it."""
-    if trainer != "sft" or device != "cpu" or tiny:
+    """Whether a run computes logits on label tokens only, and why (None: nothing to say), on a CPU for a real
+    model: SFT in one pass (`use_one_pass`), unless the config sets loss_type or an adapter wraps the output
+    projection (TRL's chunked_nll reads its weight directly); DPO from the first completion token on
+    (`completion_logits`), where the model's forward takes transformers' logits_to_keep. A tiny model keeps TRL's
+    loss: its learning checks and thresholds were measured with it."""
+    if trainer not in ("sft", "dpo") or device != "cpu" or tiny:
         return False, None
+    if trainer == "dpo":
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+            return False, "TRL's logits at every position: the model's forward takes no logits_to_keep"
+        return True, DPO_REASON
     if "loss_type" in args:
         return False, f"loss_type {args['loss_type']} (the config's)"
     output = model.get_output_embeddings()
@@ -88,3 +105,37 @@ def use_one_pass() -> None:
     if not _replaced:
         _replaced.append(sft._chunked_cross_entropy_loss)
         sft._chunked_cross_entropy_loss = one_pass_loss
+
+
+def completion_logits(trainer) -> None:
+    """TRL's DPO projects every position of the chosen and rejected rows onto the vocabulary, for the policy (and
+    back again in the backward pass) and for the reference, and then scores the completion tokens alone: an HH
+    transcript's earlier turns are most of its tokens. Here the model's forward computes logits only from the
+    position before a batch's (a row group's) first completion token on (transformers' `logits_to_keep`), and
+    zeros before them, which TRL masks: the same loss and logged metrics. The completion mask travels to the forward
+    as one more input (per row, so row groups split it too), which the forward takes off before the model sees it.
+    Call before the row groups are set up (snaketrl.train.run.split_model_rows), which then wrap this forward."""
+    import torch
+    import torch.nn.functional as F
+
+    compute, model = trainer._compute_loss, trainer.model
+    forward = model.forward
+
+    def with_completion(model, inputs, return_outputs):
+        return compute(model, {**inputs, COMPLETION: inputs["completion_mask"]}, return_outputs)
+
+    def keep_completion(self, *args, **kwargs):
+        completion = kwargs.pop(COMPLETION, None)
+        if completion is None or args or kwargs.get("logits_to_keep"):
+            return forward(*args, **kwargs)
+        width = completion.shape[1]
+        starts = torch.where(completion.bool().any(dim=1), completion.int().argmax(dim=1), width)
+        keep = width - max(int(starts.min()), 1) + 1  # the logit at position j scores token j+1
+        if keep >= width:
+            return forward(**kwargs)
+        output = forward(**kwargs, logits_to_keep=keep)
+        output["logits"] = F.pad(output.logits, (0, 0, width - keep, 0))
+        return output
+
+    trainer._compute_loss = with_completion
+    model.forward = types.MethodType(keep_completion, model)

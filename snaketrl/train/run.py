@@ -23,7 +23,7 @@ from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
 from snaketrl.train.labelled import choose as choose_labelled
-from snaketrl.train.labelled import use_one_pass
+from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.memory import choose_checkpointing, free_bytes
 from snaketrl.trainers import REGISTRY, load
@@ -191,7 +191,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     labelled, why = choose_labelled(run["trainer"], run["args"], device, model, run["lora"], tiny)
     if why:
         log.info("%s: loss: %s", run["name"], why)
-    if labelled:
+    if labelled and run["trainer"] == "sft":
         args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
         use_one_pass()
     # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
@@ -214,6 +214,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                               processing_class=tokenizer, peft_config=peft_config,
                               callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
+    if labelled and run["trainer"] == "dpo":
+        completion_logits(trainer)  # before the row groups, which split its completion mask
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
                     run["distributed"])
