@@ -17,6 +17,8 @@
 #   bash bench/gpu_session.sh --split          # here: .xfer1/ and .xfer2/ (git-ignored) hold the halves
 #   device run, carry [".xfer1"], command "mkdir -p /tmp/wheel && cp .xfer1/* /tmp/wheel/"
 #   device run, carry [".xfer2"], command "cp .xfer2/* /tmp/wheel/"
+# Issue 32's CPU target (CPU_S > 0, after the REAL stage brought the wheel): the host CPU's bf16 flags and, where it
+# has AVX512-BF16 or AMX, bench/gpu.py on SmolLM2 on that CPU alone (no GPU visible; CPU_THREADS, default 16).
 # Snakemake there also needs sqlalchemy, sqlmodel, gitpython, gitdb, smmap, greenlet and pulp among the wheels.
 set -uo pipefail
 if [ "${1:-}" = "--split" ]; then  # here, before the calls: the cached wheel's halves
@@ -78,4 +80,15 @@ if [ "${REAL_S:-0}" -gt 0 ]; then
   timeout "${REAL_TESTS_S:-240}" python3 -m pytest -m real -q -p no:cacheprovider -rfE ${REAL_K:+-k "$REAL_K"} \
     tests/ > "$out/real.txt" 2>&1
   echo "real tier: exit $?, ${SECONDS} s"; tail -15 "$out/real.txt"
+fi
+if [ "${CPU_S:-0}" -gt 0 ]; then
+  SECONDS=0
+  export SNAKETRL_CACHE=/tmp/snaketrl-cache  # where the REAL stage put the wheel
+  { lscpu | grep "Model name"; grep -o -w -E 'avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u; } > "$out/cpu-flags.txt"
+  cat "$out/cpu-flags.txt"
+  if grep -q -E 'avx512_bf16|amx_bf16' "$out/cpu-flags.txt"; then
+    CUDA_VISIBLE_DEVICES="" timeout "$CPU_S" python3 bench/gpu.py --configfile bench/smollm2.yaml --arms trl snaketrl \
+      --max-steps 6 --threads "${CPU_THREADS:-16}" > "$out/cpu-bf16.md" 2> "$out/cpu-bf16.log"
+    echo "CPU bench: exit $?, ${SECONDS} s"; cat "$out/cpu-bf16.md"
+  fi
 fi
