@@ -126,3 +126,46 @@ def test_lm_eval_asks_smollm2_in_its_chat_template_as_simple_evaluate_does(smoll
                                                     monkeypatch, limit=4)
     assert context.startswith(SYSTEM) and context.count("<|im_start|>user\nQuestion:") == 3
     assert context.count("<|im_start|>assistant\n") == 3 and context.endswith("<|im_start|>assistant\n")
+
+
+def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tmp_path):
+    """SFT's one-pass loss and DPO's logits from the first completion token on (a real model on a CPU), in row
+    groups without their padding mask, as one gloo group of 2 processes (snaketrl.train.distributed): the losses
+    of one process on the same global batches of 4, 2 steps."""
+    import yaml
+    from first_tokens import check, config_for
+    from test_distributed_training import _series, _write, launch
+    from test_trainers import prepare
+
+    from conftest import ROOT
+    from snaketrl.io import read_jsonl, write_json, write_jsonl
+    from snaketrl.train.run import train_run
+
+    grouped = {"strategy": "grouped", "split_rows": True, "args": {
+        "train_sampling_strategy": "group_by_length", "remove_unused_columns": False,
+        "length_column_name": "snaketrl_length"}}
+    jobs = {}
+    for trainer in ("sft", "dpo"):
+        work = tmp_path / trainer
+        work.mkdir()
+        # the sample rows as the tiny tests prepare them (text: SmolLM2 reads them as chats)
+        files = prepare(work, yaml.safe_load((ROOT / "config/config.yaml").read_text()), None, trainer)
+        write_jsonl(read_jsonl(files["train_file"])[:8], files["train_file"])
+        write_json({"max_length": 128, "chat": True, "batching_by_device": {"cpu": grouped}}, files["lengths_file"])
+        run = check(config_for("smollm2", ENTRY, trainer, steps=2))["run"]
+        run["args"].update(per_device_train_batch_size=4, per_device_eval_batch_size=4)
+        jobs[trainer] = [{"run": run, "model_dir": str(smollm2), "threads": 1, "reward_dir": None,
+                          **{key: str(files[key]) for key in ("train_file", "eval_file", "lengths_file")},
+                          "out_dir": str(work / name / "out"), "checkpoint_dir": str(work / name / "ckpt")}
+                         for name in ("one", "two")]
+        train_run(**jobs[trainer][0])
+    launch([_write(two, tmp_path / f"{trainer}.json") for trainer, (_, two) in jobs.items()])
+    for trainer, (one, two) in jobs.items():
+        metrics = json.loads((tmp_path / trainer / "two" / "out" / "metrics.json").read_text())
+        assert (metrics["processes"], metrics["logits_on_labels_only"], metrics["row_groups"]) == (2, True, True)
+        losses = _series(two["out_dir"], "loss")
+        # Measured here (fp32): both first losses the same bits; the second, SFT's 6.0e-5 off, exactly as far off
+        # with TRL's own loss (loss_type nll), DPO's 2.6e-7: Adam's first update turns the all-reduce's rounding into
+        # whole steps where a gradient is near zero. A loss normalized per process instead of over the global batch
+        # is off by percents from the first step on.
+        assert len(losses) == 2 and losses == pytest.approx(_series(one["out_dir"], "loss"), rel=1e-3), trainer
