@@ -37,7 +37,10 @@ def keep_freed_memory() -> bool:
     held: glibc cannot always reuse a freed block for an aligned one of the same size, so the heap settles above
     the job's need. SFT of SmolLM2 on LIMA (bench/gpu.py, 6 steps): 144 against 128 real tokens/s (two runs
     each), peak RSS 6.76 against 6.06 GB; 120 steps of the loss alone at 300-1,200 tokens: 184 against 228 s,
-    peak 2.1 against 1.1 GB, flat from the 20th step on. True where set (Linux with glibc), else False."""
+    peak 2.1 against 1.1 GB, flat from the 20th step on. SNAKETRL_KEEP_FREED_MEMORY=0 leaves glibc's default.
+    True where set (Linux with glibc), else False."""
+    if os.environ.get("SNAKETRL_KEEP_FREED_MEMORY") == "0":
+        return False
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt

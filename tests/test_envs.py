@@ -427,11 +427,14 @@ def test_training_side_jobs_keep_freed_memory():
              "x = torch.empty(2 ** 26)\nheld = libc.mallinfo2()\ndel x\nfreed = libc.mallinfo2()\n"
              "print(json.dumps({'mapped': held.hblkhd, 'heap_after_free': freed.arena}))")
     info = {}
-    for mode in ("plain", "job"):
+    for name, mode, keep in (("plain", "plain", None), ("job", "job", None), ("job, switched off", "job", "0")):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "SNAKETRL_FORKSERVER": "0"}
+        env.pop("SNAKETRL_KEEP_FREED_MEMORY", None)
         proc = subprocess.run([sys.executable, "-c", check, mode], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "SNAKETRL_FORKSERVER": "0"})
+                              env={**env, **({"SNAKETRL_KEEP_FREED_MEMORY": keep} if keep else {})})
         assert proc.returncode == 0, proc.stderr[-2000:]
-        info[mode] = json.loads(proc.stdout)
+        info[name] = json.loads(proc.stdout)
     block = 2 ** 28  # 256 MB
-    assert info["plain"]["mapped"] >= block and info["plain"]["heap_after_free"] < block, info
+    for name in ("plain", "job, switched off"):
+        assert info[name]["mapped"] >= block and info[name]["heap_after_free"] < block, info
     assert info["job"]["mapped"] < block and info["job"]["heap_after_free"] >= block, info
