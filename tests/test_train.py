@@ -259,10 +259,10 @@ def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, con
     group's) first completion token on (snaketrl.train.labelled.completion_logits): the same logged losses,
     rewards and eval loss as TRL's logits at every position (the run of the same model as a tiny one, which keeps
     them), for fewer FLOPs."""
+    from transformers import AutoModelForCausalLM
+
     from snaketrl.train.labelled import choose
     from test_trainers import prepare
-
-    from transformers import AutoModelForCausalLM
 
     assert choose("dpo", {}, "cpu", AutoModelForCausalLM.from_pretrained(tiny_model_dir), {})[0]
     logs, metrics = {}, {}

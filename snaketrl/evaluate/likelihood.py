@@ -44,16 +44,15 @@ def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, tem
     (`logits_to_keep`): a long prompt costs no vocabulary-sized logits. A pair too long for `max_length`
     (default: the model's context) loses prompt tokens from the left, then completion tokens from the
     right; an empty prompt becomes `start_token_id` (default: the pad token)."""
-    import inspect
-
     import numpy as np
     import torch
+
+    from snaketrl.train.labelled import takes_logits_to_keep
 
     max_length = max_length or max_positions(model)
     start_token_id = pad_token_id if start_token_id is None else start_token_id
     device = next(model.parameters()).device
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    can_keep = "logits_to_keep" in inspect.signature(inner.forward).parameters
+    can_keep = takes_logits_to_keep(model)
     out = []
     for start in range(0, len(pairs), batch_size):
         seqs, n_completion = [], []

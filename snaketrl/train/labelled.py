@@ -69,8 +69,7 @@ def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool 
     if trainer not in ("sft", "dpo") or device != "cpu" or tiny:
         return False, None
     if trainer == "dpo":
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if "logits_to_keep" not in inspect.signature(inner.forward).parameters:
+        if not takes_logits_to_keep(model):
             return False, "TRL's logits at every position: the model's forward takes no logits_to_keep"
         return True, DPO_REASON
     if "loss_type" in args:
@@ -105,6 +104,13 @@ def use_one_pass() -> None:
     if not _replaced:
         _replaced.append(sft._chunked_cross_entropy_loss)
         sft._chunked_cross_entropy_loss = one_pass_loss
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model's forward (under a peft wrapper: its base model's) computes logits only for its last
+    positions when asked (transformers' `logits_to_keep`)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def completion_logits(trainer) -> None:
