@@ -8,6 +8,8 @@ chat turns, as the workflow gives them):
               longest, TRL's activation checkpointing on), the same rows, model, LoRA, max_length and epochs
   trl-packed  the same with packing=True (SFT only)
   trl-tuned   packing=True and activation checkpointing off: what a user who tunes TRL writes (SFT only)
+  trl-cpu-bf16  on a CPU, TRL's defaults once told use_cpu=True (without it TRL refuses a machine with no bf16
+              GPU): its bf16=True then autocasts on the CPU (on a GPU this arm is `trl`)
   snaketrl    the workflow's train_run with the length stage's `auto` choice for this device and the
               checkpointing it chooses from memory
 Prints real (non-pad) tokens per second of training steps (each step timed after the GPU finished its work),
@@ -50,7 +52,7 @@ from efficiency import (  # noqa: E402
     spread,
 )
 
-ARMS = ("trl", "trl-packed", "trl-tuned", "snaketrl")
+ARMS = ("trl", "trl-packed", "trl-tuned", "trl-cpu-bf16", "snaketrl")
 PACKED = ("trl-packed", "trl-tuned")
 # Dense bf16 peaks (no sparsity) from the vendors' data sheets, matched on torch.cuda.get_device_name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0,
@@ -126,9 +128,10 @@ def plain_trl(job: dict) -> dict:
     bf16 = cuda and torch.cuda.is_bf16_supported()
     args = {key: value for key, value in run["args"].items() if key not in ("activation_checkpointing",)}
     tuned = {"trl-packed": {"packing": True},
-             "trl-tuned": {"packing": True, "activation_checkpointing": False}}.get(job["arm"], {})
+             "trl-tuned": {"packing": True, "activation_checkpointing": False},
+             "trl-cpu-bf16": {} if cuda else {"use_cpu": True, "bf16": True}}.get(job["arm"], {})
     config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"], max_length=job["max_length"],
-                               bf16=bf16, **{**args, **job["schedule"], **tuned})
+                               **{"bf16": bf16, **args, **job["schedule"], **tuned})
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     attention = run["model_entry"].get("attn_implementation")
     if attention == "varlen":

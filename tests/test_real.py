@@ -131,7 +131,11 @@ def test_lm_eval_asks_smollm2_in_its_chat_template_as_simple_evaluate_does(smoll
 def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tmp_path):
     """SFT's one-pass loss and DPO's logits from the first completion token on (a real model on a CPU), in row
     groups without their padding mask, as one gloo group of 2 processes (snaketrl.train.distributed): the losses
-    of one process on the same global batches of 4, 2 steps."""
+    of one process on the same global batches of 4, 2 steps. Both on CPUs on a GPU machine too, as a job whose
+    resources give no GPU trains."""
+    import subprocess
+    import sys
+
     import yaml
     from first_tokens import check, config_for
     from test_distributed_training import _series, _write, launch
@@ -139,7 +143,7 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
 
     from conftest import ROOT
     from snaketrl.io import read_jsonl, write_json, write_jsonl
-    from snaketrl.train.run import train_run
+    from snaketrl.train import distributed
 
     grouped = {"strategy": "grouped", "split_rows": True, "args": {
         "train_sampling_strategy": "group_by_length", "remove_unused_columns": False,
@@ -158,7 +162,9 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
                           **{key: str(files[key]) for key in ("train_file", "eval_file", "lengths_file")},
                           "out_dir": str(work / name / "out"), "checkpoint_dir": str(work / name / "ckpt")}
                          for name in ("one", "two")]
-        train_run(**jobs[trainer][0])
+    subprocess.run([sys.executable, "-m", "snaketrl.train",
+                    *[str(_write(one, tmp_path / f"{trainer}-one.json")) for trainer, (one, _) in jobs.items()]],
+                   env=distributed.launch_env(distributed.Plan(1), 1), check=True)
     launch([_write(two, tmp_path / f"{trainer}.json") for trainer, (_, two) in jobs.items()])
     for trainer, (one, two) in jobs.items():
         metrics = json.loads((tmp_path / trainer / "two" / "out" / "metrics.json").read_text())

@@ -205,14 +205,18 @@ def launch_env(p: Plan, threads: int, mode: str = DEFAULT, environ=None) -> dict
     Snakemake's script preamble, which is what put it on sys.path), `threads` per process, and on CPUs in
     ddp mode ACCELERATE_USE_CPU: the shipped ddp.yaml names accelerate's GPU launcher, whose processes on a
     machine without GPUs each train alone on all the data; with it they form one gloo group. DeepSpeed finds
-    no GPU by itself and runs on its CPU accelerator over gloo (ACCELERATE_USE_CPU would turn DeepSpeed off)."""
+    no GPU by itself and runs on its CPU accelerator over gloo (ACCELERATE_USE_CPU would turn DeepSpeed off).
+    A CPU plan's processes see no GPU: the job's resources gave it none, and each process would otherwise take
+    the GPU of its local rank (cuda:1 on a one-GPU machine: an invalid device)."""
     environ = dict(os.environ if environ is None else environ)
     home = str(Path(__file__).resolve().parents[2])
     if home not in sys.path:
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, environ.get("PYTHONPATH")]))
     environ["OMP_NUM_THREADS"] = str(max(1, threads))
-    if not p.gpu and mode not in DEEPSPEED:
-        environ["ACCELERATE_USE_CPU"] = "true"
+    if not p.gpu:
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+        if mode not in DEEPSPEED:
+            environ["ACCELERATE_USE_CPU"] = "true"
     return environ
 
 
