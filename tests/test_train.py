@@ -259,10 +259,19 @@ def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, con
     group's) first completion token on (snaketrl.train.labelled.completion_logits): the same logged losses,
     rewards and eval loss as TRL's logits at every position (the run of the same model as a tiny one, which keeps
     them), for fewer FLOPs."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
     from snaketrl.train.labelled import choose
     from test_trainers import prepare
+
+    class Projection(TrainerCallback):
+        """Whether each vocabulary projection's input was contiguous (one mm, not a bmm over a broadcast weight)."""
+        def __init__(self):
+            self.contiguous = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.get_output_embeddings().register_forward_pre_hook(
+                lambda module, inputs: self.contiguous.append(inputs[0].is_contiguous()))
 
     assert choose("dpo", {}, "cpu", AutoModelForCausalLM.from_pretrained(tiny_model_dir), {})[0]
     logs, metrics = {}, {}
@@ -275,7 +284,9 @@ def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, con
                 "remove_unused_columns": False, "length_column_name": "snaketrl_length"}}}}))
         if name == "completions":  # the tiny model's files, as a real model's entry names them
             job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
-        metrics[name] = train_run(**job)
+        projection = Projection()
+        metrics[name] = train_run(**job, callbacks=[projection])
+        assert projection.contiguous and all(projection.contiguous)
         assert metrics[name]["logits_on_labels_only"] is (name == "completions")
         assert metrics[name]["row_groups"] is row_groups
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())

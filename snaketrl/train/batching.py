@@ -7,7 +7,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
 from snaketrl.data.lengths import row_groups
 
@@ -41,15 +40,13 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
             return forward(*args, **kwargs)
         groups, unmasked = split
         rows, length = kwargs["input_ids"].shape
+        indices = [torch.tensor(group, device=kwargs["input_ids"].device) for group, _ in groups]
         outputs = []
-        for group, width in groups:
-            index = torch.tensor(group, device=kwargs["input_ids"].device)
+        for index, (group, width) in zip(indices, groups):
             part = {key: _rows_of(value, index, width, rows, length) for key, value in kwargs.items()}
             if unmasked:
                 part["attention_mask"] = None
             outputs.append((len(group), width, forward(**part)))
-        order = torch.tensor([row for group, _ in groups for row in group], device=kwargs["input_ids"].device)
-        inverse = torch.argsort(order)  # concatenated group rows -> the batch's row order
         merged = {}
         for key in outputs[0][2].keys():
             values = [out[key] for _, _, out in outputs]
@@ -62,8 +59,8 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
             elif key in LABEL_MEANS and torch.is_tensor(values[0]) and values[0].dim() == 0:
                 merged[key] = _label_mean(values, groups, kwargs)
             else:
-                merged[key] = torch.cat([_padded(value, n, width, length, key)
-                                         for value, (n, width, _) in zip(values, outputs)])[inverse]
+                merged[key] = _in_row_order(values, [group for group, _ in groups], [width for _, width in groups],
+                                            rows, length, key)
         return type(outputs[0][2])(**merged)
 
     model.forward = types.MethodType(split_forward, model)
@@ -134,11 +131,39 @@ def _rows_of(value, index, width, rows, length):
     return value[:, :width] if value.dim() >= 2 and value.shape[1] == length else value
 
 
-def _padded(value, n, width, length, key):
-    """One group's output, padded back to the batch's length where it has a sequence dimension."""
-    if not torch.is_tensor(value) or value.shape[:1] != (n,):
-        raise RuntimeError(f"snaketrl.train.batching.split_rows: the model's output '{key}' is not per row; "
-                           f"set length.batching to padded for this trainer")
-    if value.dim() >= 3 and value.shape[1] == width and width < length:  # (rows, tokens, ...): logits
-        return F.pad(value, (0, 0) * (value.dim() - 2) + (0, length - width))
-    return value
+def _in_row_order(values, groups, widths, rows, length, key):
+    """The groups' per-row outputs as one tensor in the batch's row order, padded back to its length where they
+    have a sequence dimension (zeros past each group's width)."""
+    for value, group in zip(values, groups):
+        if not torch.is_tensor(value) or value.shape[:1] != (len(group),):
+            raise RuntimeError(f"snaketrl.train.batching.split_rows: the model's output '{key}' is not per row; "
+                               f"set length.batching to padded for this trainer")
+    if not all(value.dim() >= 3 and value.shape[1] == width for value, width in zip(values, widths)):
+        widths, length = [None] * len(values), None  # per row, without a sequence dimension
+    return _InRowOrder.apply(groups, widths, rows, length, *values)
+
+
+class _InRowOrder(torch.autograd.Function):
+    """Each group's rows written once into one tensor, and their gradients read back once. A DPO batch's logits are
+    rows x tokens x vocabulary: padding them, concatenating the groups and reordering the rows took a pass over
+    them each, and in-place writes into one tensor would make autograd copy its whole gradient per write."""
+
+    @staticmethod
+    def forward(ctx, groups, widths, rows, length, *values):
+        first = values[0]
+        out = first.new_empty((rows, length, *first.shape[2:]) if length else (rows, *first.shape[1:]))
+        for value, group, width in zip(values, groups, widths):
+            for source, row in enumerate(group):  # row by row: plain copies, not an index_put scatter
+                if width is None:
+                    out[row].copy_(value[source])
+                    continue
+                out[row, :width].copy_(value[source])
+                out[row, width:].zero_()
+        ctx.groups, ctx.widths = groups, widths
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, None, *[
+            (grad if width is None else grad[:, :width]).index_select(0, torch.tensor(group, device=grad.device))
+            for group, width in zip(ctx.groups, ctx.widths)])

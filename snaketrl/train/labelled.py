@@ -122,7 +122,22 @@ def completion_logits(trainer) -> None:
     as one more input (per row, so row groups split it too), which the forward takes off before the model sees it.
     Call before the row groups are set up (snaketrl.train.run.split_model_rows), which then wrap this forward."""
     import torch
-    import torch.nn.functional as F
+
+    class LeftPadded(torch.autograd.Function):
+        """Logits of a sequence's last positions, zeros before them, to `width` positions: F.pad would fill the
+        whole rows x width x vocabulary tensor and then copy the kept logits over the zeros."""
+
+        @staticmethod
+        def forward(ctx, kept, width):
+            out = kept.new_empty((kept.shape[0], width, *kept.shape[2:]))
+            out[:, :width - kept.shape[1]].zero_()
+            out[:, width - kept.shape[1]:].copy_(kept)
+            ctx.keep = kept.shape[1]
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad[:, -ctx.keep:], None
 
     compute, model = trainer._compute_loss, trainer.model
     forward = model.forward
@@ -140,8 +155,13 @@ def completion_logits(trainer) -> None:
         if keep >= width:
             return forward(**kwargs)
         output = forward(**kwargs, logits_to_keep=keep)
-        output["logits"] = F.pad(output.logits, (0, 0, width - keep, 0))
+        output["logits"] = LeftPadded.apply(output.logits, width)
         return output
 
     trainer._compute_loss = with_completion
     model.forward = types.MethodType(keep_completion, model)
+    # transformers slices the hidden states it projects (hidden_states[:, -keep:]): across rows that view is not
+    # contiguous, and torch then runs the vocabulary projection as a bmm over the weight broadcast to every row
+    # instead of the one mm of TRL's full-width forward.
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+
