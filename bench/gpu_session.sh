@@ -17,7 +17,7 @@
 #   bash bench/gpu_session.sh --split          # here: .xfer1/ and .xfer2/ (git-ignored) hold the halves
 #   device run, carry [".xfer1"], command "mkdir -p /tmp/wheel && cp .xfer1/* /tmp/wheel/"
 #   device run, carry [".xfer2"], command "cp .xfer2/* /tmp/wheel/"
-# Issue 32's CPU target (CPU_S > 0; it runs first): the host CPU's bf16 flags and, where it has AVX512-BF16 or AMX,
+# Issue 32's CPU target (CPU_S > 0; before the real-model stages): the host CPU's bf16 flags and, where it has AVX512-BF16 or AMX,
 # bench/gpu.py on SmolLM2 on that CPU alone (no GPU visible; CPU_THREADS, default 16): TRL's defaults in fp32 and
 # with use_cpu (its bf16 autocast), against snaketrl's choice.
 # Snakemake there also needs sqlalchemy, sqlmodel, gitpython, gitdb, smmap, greenlet and pulp among the wheels.

@@ -164,4 +164,3 @@ def completion_logits(trainer) -> None:
     # contiguous, and torch then runs the vocabulary projection as a bmm over the weight broadcast to every row
     # instead of the one mm of TRL's full-width forward.
     model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
-
