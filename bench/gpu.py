@@ -87,7 +87,7 @@ def profiler(out: str, skip: int = 2, steps: int = 3):
             self.seen += 1
             if self.seen == skip + 1:
                 sync()
-                self.prof = torch.profiler.profile(activities=activities)
+                self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
                 self.prof.__enter__()
                 self.started = time.perf_counter()
 
@@ -106,6 +106,9 @@ def profiler(out: str, skip: int = 2, steps: int = 3):
                 f.write(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
                 f.write("\n")
                 f.write(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+                f.write("\n")  # which tensors the costly operators ran on
+                f.write(self.prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=80))
             self.prof = None
 
     return Profile()

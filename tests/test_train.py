@@ -255,23 +255,25 @@ def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp
 
 @pytest.mark.parametrize("row_groups", [False, True])
 def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, config, tiny_model_dir, row_groups):
-    """DPO of a real model on a CPU computes the policy's and the reference's logits only from each batch's (row
-    group's) first completion token on (snaketrl.train.labelled.completion_logits): the same logged losses,
-    rewards and eval loss as TRL's logits at every position (the run of the same model as a tiny one, which keeps
-    them), for fewer FLOPs."""
+    """DPO of a real model on a CPU projects the policy's and the reference's hidden states onto the vocabulary,
+    and runs TRL's loss, only from each row's first completion token on (snaketrl.train.labelled.completion_logits):
+    the same logged losses, rewards, entropy, logits and token accuracy, and eval loss, as TRL's logits at every
+    position (the run of the same model as a tiny one, which keeps them), for fewer FLOPs."""
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from snaketrl.train.labelled import choose
     from test_trainers import prepare
 
     class Projection(TrainerCallback):
-        """Whether each vocabulary projection's input was contiguous (one mm, not a bmm over a broadcast weight)."""
+        """Each forward's width and the projected positions' (rows, width, hidden) after it."""
         def __init__(self):
-            self.contiguous = []
+            self.widths, self.projected = [], []
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.get_input_embeddings().register_forward_pre_hook(
+                lambda module, inputs: self.widths.append(inputs[0].shape[1]))
             model.get_output_embeddings().register_forward_pre_hook(
-                lambda module, inputs: self.contiguous.append(inputs[0].is_contiguous()))
+                lambda module, inputs: self.projected.append((inputs[0].shape, inputs[0].is_contiguous())))
 
     assert choose("dpo", {}, "cpu", AutoModelForCausalLM.from_pretrained(tiny_model_dir), {})[0]
     logs, metrics = {}, {}
@@ -286,13 +288,18 @@ def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, con
             job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
         projection = Projection()
         metrics[name] = train_run(**job, callbacks=[projection])
-        assert projection.contiguous and all(projection.contiguous)
+        assert len(projection.widths) == len(projection.projected) > 6
+        assert all(contiguous for _, contiguous in projection.projected)
+        shorter = [shape[1] < width for width, (shape, _) in zip(projection.widths, projection.projected)]
+        assert all(shorter) if name == "completions" else not any(shorter)
         assert metrics[name]["logits_on_labels_only"] is (name == "completions")
         assert metrics[name]["row_groups"] is row_groups
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
-        logs[name] = [{k: v for k, v in h.items() if k in ("loss", "rewards/chosen", "rewards/margins")}
+        logs[name] = [{k: v for k, v in h.items() if k in ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies",
+                                                            "entropy", "logits/chosen", "logits/rejected",
+                                                            "mean_token_accuracy", "num_tokens")}
                       for h in state["log_history"] if "loss" in h]
-    assert len(logs["tiny"]) == 3 and all(len(h) == 3 for h in logs["tiny"])
+    assert len(logs["tiny"]) == 3 and all(len(h) == 9 for h in logs["tiny"])
     for ours, trls in zip(logs["completions"], logs["tiny"], strict=True):
         assert ours == pytest.approx(trls, rel=1e-4, abs=1e-6)
     assert metrics["completions"]["eval_loss"] == pytest.approx(metrics["tiny"]["eval_loss"], rel=1e-5)

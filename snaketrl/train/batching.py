@@ -17,6 +17,9 @@ WHOLE_BATCH = ("past_key_values", "output_hidden_states", "output_attentions", "
 # use_liger_kernel asks for `return_token_accuracy`) returns the batch's token accuracy as one number. The groups'
 # values are recombined weighted by each group's label tokens, as the loss is.
 LABEL_MEANS = ("token_accuracy",)
+# A forward argument fixing the width of the outputs' sequence dimension, whatever a group's width: the groups'
+# outputs are then put in row order as they are (snaketrl.train.labelled's DPO tails). The forward below takes it.
+OUTPUT_WIDTH = "snaketrl_output_width"
 
 
 def split_rows(model, pad_to_multiple_of: int | None = None):
@@ -60,7 +63,7 @@ def split_rows(model, pad_to_multiple_of: int | None = None):
                 merged[key] = _label_mean(values, groups, kwargs)
             else:
                 merged[key] = _in_row_order(values, [group for group, _ in groups], [width for _, width in groups],
-                                            rows, length, key)
+                                            None if OUTPUT_WIDTH in kwargs else length, key)
         return type(outputs[0][2])(**merged)
 
     model.forward = types.MethodType(split_forward, model)
@@ -131,16 +134,16 @@ def _rows_of(value, index, width, rows, length):
     return value[:, :width] if value.dim() >= 2 and value.shape[1] == length else value
 
 
-def _in_row_order(values, groups, widths, rows, length, key):
-    """The groups' per-row outputs as one tensor in the batch's row order, padded back to its length where they
-    have a sequence dimension (zeros past each group's width)."""
+def _in_row_order(values, groups, widths, length, key):
+    """The groups' per-row outputs as one tensor in the batch's row order, padded back to its `length` where they
+    have a sequence dimension (zeros past each group's width); as they are without a `length`."""
     for value, group in zip(values, groups):
         if not torch.is_tensor(value) or value.shape[:1] != (len(group),):
             raise RuntimeError(f"snaketrl.train.batching.split_rows: the model's output '{key}' is not per row; "
                                f"set length.batching to padded for this trainer")
-    if not all(value.dim() >= 3 and value.shape[1] == width for value, width in zip(values, widths)):
-        widths, length = [None] * len(values), None  # per row, without a sequence dimension
-    return _InRowOrder.apply(groups, widths, rows, length, *values)
+    if length is None or not all(value.dim() >= 3 and value.shape[1] == width for value, width in zip(values, widths)):
+        widths, length = [None] * len(values), None  # per row, without a sequence dimension to pad
+    return _InRowOrder.apply(groups, widths, sum(map(len, groups)), length, *values)
 
 
 class _InRowOrder(torch.autograd.Function):

@@ -10,7 +10,7 @@ projection, and the entropy and argmax over the vocabulary for its logged metric
 bench/gpu.py on SmolLM2-135M-Instruct (SFT on LIMA, 20.5 % of the tokens prompt, 6 steps, 2-core AMD EPYC):
 93 real tokens/s before, 109 after (TRL's chunked_nll: 95), with the same train and eval losses.
 
-DPO's logits likewise, from each batch's first completion token on (`completion_logits`)."""
+DPO's logits and loss likewise, from each row's first completion token on (`completion_logits`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ REASON = ("the vocabulary projection, loss and logged entropy only on label toke
           "chunked_nll without its recomputation; 1.17x real tokens/s for SmolLM2 SFT on a CPU)")
 
 
-DPO_REASON = ("the vocabulary projection of policy and reference from each batch's first completion token on: TRL's "
-              "DPO scores completion tokens only")
-COMPLETION = "snaketrl_completion_mask"  # the completion mask, on its way from the loss to the model's forward
+DPO_REASON = ("the vocabulary projection of policy and reference, and TRL's loss, only from each row's first "
+              "completion token on: TRL's DPO scores completion tokens only")
+TAILS = "snaketrl_tail_starts"  # per row, where its logits start: the position before its first completion token
+WHOLE = "snaketrl_input_ids"  # the rows' whole input_ids, while TRL's loss gets their tails
 
 
 def one_pass_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_labels=None,
@@ -63,14 +64,16 @@ def one_pass_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_
 def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool = False) -> tuple[bool, str | None]:
     """Whether a run computes logits on label tokens only, and why (None: nothing to say), on a CPU for a real
     model: SFT in one pass (`use_one_pass`), unless the config sets loss_type or an adapter wraps the output
-    projection (TRL's chunked_nll reads its weight directly); DPO from the first completion token on
-    (`completion_logits`), where the model's forward takes transformers' logits_to_keep. A tiny model keeps TRL's
-    loss: its learning checks and thresholds were measured with it."""
+    projection (TRL's chunked_nll reads its weight directly); DPO from each row's first completion token on
+    (`completion_logits`), where the model's forward applies an output projection of its own to the positions it is
+    asked for (transformers' logits_to_keep). A tiny model keeps TRL's loss: its learning checks and thresholds
+    were measured with it."""
     if trainer not in ("sft", "dpo") or device != "cpu" or tiny:
         return False, None
     if trainer == "dpo":
-        if not takes_logits_to_keep(model):
-            return False, "TRL's logits at every position: the model's forward takes no logits_to_keep"
+        if model.get_output_embeddings() is None or not takes_logits_to_keep(model):
+            return False, ("TRL's logits at every position: the model's forward applies no output projection of its "
+                           "own to some positions (transformers' logits_to_keep)")
         return True, DPO_REASON
     if "loss_type" in args:
         return False, f"loss_type {args['loss_type']} (the config's)"
@@ -113,54 +116,104 @@ def takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
-def completion_logits(trainer) -> None:
+def completion_logits(trainer, row_groups: bool = False) -> None:
     """TRL's DPO projects every position of the chosen and rejected rows onto the vocabulary, for the policy (and
-    back again in the backward pass) and for the reference, and then scores the completion tokens alone: an HH
-    transcript's earlier turns are most of its tokens. Here the model's forward computes logits only from the
-    position before a batch's (a row group's) first completion token on (transformers' `logits_to_keep`), and
-    zeros before them, which TRL masks: the same loss and logged metrics. The completion mask travels to the forward
-    as one more input (per row, so row groups split it too), which the forward takes off before the model sees it.
-    Call before the row groups are set up (snaketrl.train.run.split_model_rows), which then wrap this forward."""
+    back again in the backward pass) and for the reference, runs its loss and logged metrics (log-softmax, entropy,
+    argmax) over all of them, and then keeps the completion tokens alone: an HH transcript's earlier turns are most
+    of its tokens. Here TRL's loss gets each row's tail instead, from the position before its first completion
+    token on, all tails as wide as the longest (`completion_tails`), and the model's forward projects only those
+    positions' hidden states: every value TRL reads is the same, at a fraction of the rows x tokens x vocabulary
+    work. The forward still runs the whole rows, which reach it under a key of their own; with `row_groups` it
+    runs them in row groups (snaketrl.train.batching.split_rows), each group projecting its rows' tails. A call
+    that returns the outputs (an evaluation with compute_metrics) gets TRL's logits at every position."""
+    from snaketrl.train.batching import split_rows
+
+    compute = trainer._compute_loss
+
+    def loss_on_tails(model, inputs, return_outputs):
+        tails = None if return_outputs else completion_tails(inputs)
+        return compute(model, {**inputs, **tails} if tails else inputs, return_outputs)
+
+    trainer._compute_loss = loss_on_tails
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):  # TRL passes the reference the same inputs
+        if model is not None:
+            project_tails(model)
+            if row_groups:
+                split_rows(model, trainer.args.pad_to_multiple_of)
+            _whole_rows(model)
+
+
+def completion_tails(inputs: dict) -> dict | None:
+    """What TRL's DPO loss gets instead of a batch's rows: each row's tokens and completion mask from the position
+    before its first completion token on (the logit there scores that token), the same width for every row (the
+    longest tail's; past its row's end a tail is masked), with the whole rows (WHOLE) and the tails' starts (TAILS)
+    for the forward. None where it would not pay (no row's tail shorter than the batch) or could mislead: a batch
+    with other per-position inputs (position or token type ids, images), which would need their tails too."""
     import torch
 
-    class LeftPadded(torch.autograd.Function):
-        """Logits of a sequence's last positions, zeros before them, to `width` positions: F.pad would fill the
-        whole rows x width x vocabulary tensor and then copy the kept logits over the zeros."""
+    ids, completion = inputs["input_ids"], inputs["completion_mask"]
+    if any(torch.is_tensor(value) and value.dim() >= 2 and key not in ("input_ids", "attention_mask", "completion_mask")
+           for key, value in inputs.items()):
+        return None
+    width = ids.shape[1]
+    scored = completion.bool()
+    some = scored.any(dim=1)  # a row without completion tokens contributes nothing: a tail of one masked position
+    first = torch.where(some, scored.int().argmax(dim=1), 0)
+    end = torch.where(some, width - scored.flip(1).int().argmax(dim=1), 1)
+    starts = (first - 1).clamp(min=0)  # a completion token at position 0 has no logit: TRL's shift drops it too
+    keep = int((end - starts).max())
+    if keep >= width:
+        return None
+    positions = starts[:, None] + torch.arange(keep, device=ids.device)
+    inside = positions < width
+    positions = positions.clamp(max=width - 1)
+    return {"input_ids": ids.gather(1, positions), "completion_mask": completion.gather(1, positions) * inside,
+            WHOLE: ids, TAILS: starts}
 
-        @staticmethod
-        def forward(ctx, kept, width):
-            out = kept.new_empty((kept.shape[0], width, *kept.shape[2:]))
-            out[:, :width - kept.shape[1]].zero_()
-            out[:, width - kept.shape[1]:].copy_(kept)
-            ctx.keep = kept.shape[1]
-            return out
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad[:, -ctx.keep:], None
+def project_tails(model) -> None:
+    """`model`'s forward, given TAILS and the tails' width (snaketrl.train.batching.OUTPUT_WIDTH), runs its rows
+    whole and applies its vocabulary projection to the hidden states of the tails alone: the logits are rows x
+    width x vocabulary, position j of a row's the logit at its start + j."""
+    import torch
 
-    compute, model = trainer._compute_loss, trainer.model
+    from snaketrl.train.batching import OUTPUT_WIDTH
+
+    forward, tails = model.forward, []
+
+    def tails_forward(self, *args, **kwargs):
+        starts, width = kwargs.pop(TAILS, None), kwargs.pop(OUTPUT_WIDTH, None)
+        if starts is None:
+            return forward(*args, **kwargs)
+        tails.append((starts, width))
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            tails.pop()
+
+    def gather_tails(module, args):
+        if not tails:
+            return None
+        hidden, (starts, width) = args[0], tails[-1]
+        positions = (starts[:, None] + torch.arange(width, device=starts.device)).clamp(max=hidden.shape[1] - 1)
+        return (hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1])), *args[1:])
+
+    model.forward = types.MethodType(tails_forward, model)
+    # first: hooks after it (the FLOPs counter's) see the positions that are projected
+    model.get_output_embeddings().register_forward_pre_hook(gather_tails, prepend=True)
+
+
+def _whole_rows(model) -> None:
+    """`model`'s forward, given the tails as input_ids and the whole rows under WHOLE, runs the whole rows and
+    asks for logits as wide as the tails."""
+    from snaketrl.train.batching import OUTPUT_WIDTH
+
     forward = model.forward
 
-    def with_completion(model, inputs, return_outputs):
-        return compute(model, {**inputs, COMPLETION: inputs["completion_mask"]}, return_outputs)
+    def whole_forward(self, *args, **kwargs):
+        whole = kwargs.pop(WHOLE, None)
+        if whole is not None:
+            kwargs[OUTPUT_WIDTH], kwargs["input_ids"] = kwargs["input_ids"].shape[1], whole
+        return forward(*args, **kwargs)
 
-    def keep_completion(self, *args, **kwargs):
-        completion = kwargs.pop(COMPLETION, None)
-        if completion is None or args or kwargs.get("logits_to_keep"):
-            return forward(*args, **kwargs)
-        width = completion.shape[1]
-        starts = torch.where(completion.bool().any(dim=1), completion.int().argmax(dim=1), width)
-        keep = width - max(int(starts.min()), 1) + 1  # the logit at position j scores token j+1
-        if keep >= width:
-            return forward(**kwargs)
-        output = forward(**kwargs, logits_to_keep=keep)
-        output["logits"] = LeftPadded.apply(output.logits, width)
-        return output
-
-    trainer._compute_loss = with_completion
-    model.forward = types.MethodType(keep_completion, model)
-    # transformers slices the hidden states it projects (hidden_states[:, -keep:]): across rows that view is not
-    # contiguous, and torch then runs the vocabulary projection as a bmm over the weight broadcast to every row
-    # instead of the one mm of TRL's full-width forward.
-    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    model.forward = types.MethodType(whole_forward, model)

@@ -214,8 +214,6 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                               processing_class=tokenizer, peft_config=peft_config,
                               callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
-    if labelled and run["trainer"] == "dpo":
-        completion_logits(trainer)  # before the row groups, which split its completion mask
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
                     run["distributed"])
@@ -225,6 +223,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         log.warning("%s: row groups are off under use_liger_kernel; TRL's fused loss pads each batch's rows "
                     "together", run["name"])
         split = False
+    if labelled and run["trainer"] == "dpo":
+        completion_logits(trainer, row_groups=split)  # the row groups between its two layers of the forward
     elif split:
         split_model_rows(trainer)
     # varlen attends within sequences it is told of: a padded batch's layers can then skip the padding
