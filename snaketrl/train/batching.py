@@ -86,6 +86,8 @@ def _groups(args, kwargs, multiple, causal=False):
     # A row's end: one past its last real token (all of it for rows without padding).
     ends = (mask.bool() * torch.arange(1, length + 1, device=mask.device)).amax(dim=1).tolist()
     groups = row_groups(ends)
+    if len(groups) == 1:  # in the batch's own order: its outputs are then the batch's as they are
+        groups = [list(range(rows))]
     # Without their padding mask only where every row's padding follows its real tokens: causal attention then
     # keeps it from them.
     unmasked = causal and mask.sum(dim=1).tolist() == ends
@@ -143,6 +145,8 @@ def _in_row_order(values, groups, widths, length, key):
                                f"set length.batching to padded for this trainer")
     if length is None or not all(value.dim() >= 3 and value.shape[1] == width for value, width in zip(values, widths)):
         widths, length = [None] * len(values), None  # per row, without a sequence dimension to pad
+    if len(groups) == 1 and groups[0] == list(range(len(groups[0]))) and widths[0] in (None, length):
+        return values[0]  # one group of all rows in their order, nothing to pad
     return _InRowOrder.apply(groups, widths, sum(map(len, groups)), length, *values)
 
 
