@@ -97,6 +97,28 @@ def test_lora_targets_per_architecture(config):
                                                 "target_modules": ["query_key_value"]}
 
 
+def test_max_tokens_is_a_runs_and_refused_beside_max_steps_or_for_a_generating_trainer(config):
+    config["training"].pop("max_steps", None)
+    config["trainers"]["sft"]["max_tokens"] = 4000
+    config["runs"]["dpo-qwen2-tiny"] = {"max_tokens": 2000}
+    runs = check(copy.deepcopy(config))
+    assert runs["sft-qwen2-tiny"]["max_tokens"] == 4000 and runs["dpo-qwen2-tiny"]["max_tokens"] == 2000
+    assert "max_tokens" not in runs["reward-qwen2-tiny"]  # absent where unset: its params stay as they were
+    config["trainers"]["sft"]["args"]["max_steps"] = 5
+    with pytest.raises(ConfigError, match=r"^config: trainers.sft.max_tokens \(run sft-qwen2-tiny\): max_tokens sets "
+                                          r"max_steps; the run also sets args.max_steps: keep one$"):
+        check(copy.deepcopy(config))
+    del config["trainers"]["sft"]["args"]["max_steps"]
+    config["runs"]["grpo-qwen2-tiny"] = {"max_tokens": 2000}
+    with pytest.raises(ConfigError, match=r"^config: runs.grpo-qwen2-tiny.max_tokens \(run grpo-qwen2-tiny\): grpo "
+                                          r"generates its completions, so its tokens per step are not known before "
+                                          r"training; bound it with args.max_steps$"):
+        check(copy.deepcopy(config))
+    config["runs"]["grpo-qwen2-tiny"] = {"max_tokens": "lots"}
+    with pytest.raises(Exception, match="'lots' is not of type 'integer', 'null'"):
+        validate(config, str(ROOT / "config" / "schema.yaml"))
+
+
 def test_no_runs_is_an_error(config):
     config["matrix"] = {"trainers": [], "models": []}
     with pytest.raises(ConfigError, match="no runs"):

@@ -14,7 +14,8 @@ from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.generation import generate
 from snaketrl.evaluate.harness import _lm_eval_available, lm_eval_run, lm_eval_task_manager
 from snaketrl.evaluate.job import evaluate
-from snaketrl.evaluate.likelihood import completion_nll, kl_to_reference, preference_accuracy
+from snaketrl.evaluate.likelihood import (completion_nll, encode_pairs, kl_to_reference, preference_accuracy,
+                                          token_logprobs)
 from snaketrl.evaluate.loading import load_for_eval
 from snaketrl.evaluate.scoring import (distinct_n, judge_texts, mean_std, reward_function_scores, reward_model_scores,
                                        win_rate)
@@ -188,6 +189,20 @@ def test_nll_matches_cross_entropy_by_hand(loaded):
     assert got["n_tokens"] == n and got["n_references"] == 4
     assert got["nll"] == pytest.approx(-sum(lp for lp, _ in direct) / n, rel=1e-5)
     assert got["perplexity"] == pytest.approx(math.exp(got["nll"]))
+
+
+def test_logprobs_come_back_per_pair_in_order_from_length_sorted_batches(loaded):
+    """Batches are cut from the pairs sorted by length: each pair's values still come back in its own place."""
+    rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:7]
+    # Lengths out of order, a short pair after long ones, so that sorting moves pairs between batches.
+    rows = [rows[i] for i in (3, 0, 6, 1, 5, 2, 4)]
+    rows[2] = {"prompt": "Hi.", "completion": "Hello."}
+    pairs = encode_pairs(loaded.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+    assert sorted(range(7), key=lambda i: sum(map(len, pairs[i]))) != list(range(7))
+    got = token_logprobs(loaded.model, pairs, pad_token_id=loaded.tokenizer.pad_token_id, batch_size=3)
+    direct = [_direct_logp(loaded.model, loaded.tokenizer, r["prompt"], r["completion"]) for r in rows]
+    assert [len(x) for x in got] == [n for _, n in direct]
+    assert [float(x.sum()) for x in got] == pytest.approx([lp for lp, _ in direct], rel=1e-5)
 
 
 def test_nll_by_hand_for_another_family(pythia_dir):

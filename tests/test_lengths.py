@@ -43,6 +43,17 @@ def test_ceiling_lowers_max_length_and_says_what_it_truncates():
                      trainer="reward")
 
 
+def test_mean_tokens_counts_every_row_truncated_and_leaves_out_what_is_dropped():
+    """What max_tokens divides by: an example's real tokens as trained (a pair's two rows, each cut to max_length)."""
+    pairs = np.array([[10, 12], [20, 30], [100, 300]])
+    stats = length_stats(pairs, keep_share=1.0, round_to=32, cap=None, batch_size=2, seed=0, trainer="dpo",
+                         ceiling=64)
+    assert stats["max_length"] == 64 and stats["mean_tokens"] == pytest.approx((22 + 50 + 64 + 64) / 3)
+    reward = length_stats(pairs, keep_share=1.0, round_to=32, cap=None, batch_size=2, seed=0, trainer="reward",
+                          ceiling=64)
+    assert reward["dropped"] == 1 and reward["mean_tokens"] == pytest.approx((22 + 50) / 2)
+
+
 def test_padding_share_is_zero_for_equal_lengths():
     assert padding_share(np.array([7] * 16), 64, 4, seed=0) == 0.0
     # Two sequences, 2 and 6 long, in one batch: 4 of 12 slots are padding.

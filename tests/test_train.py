@@ -190,6 +190,26 @@ def test_sft_loss_falls_on_learnable_toy(sft_inputs, tmp_path):
                    sft_inputs["run"]["seed"])
 
 
+def test_max_tokens_sets_the_steps_from_the_tokens_per_example(sft_inputs, tmp_path):
+    """max_tokens 1000 over 8 examples a step of 20.5 tokens each (the length stage's mean_tokens): 7 steps, which
+    train the tokens asked for, give or take the last step; a histogram without mean_tokens is refused."""
+    from snaketrl.errors import TrainingError
+
+    lengths = sft_inputs["lengths_file"]
+    lengths.write_text(json.dumps({"max_length": 64}))
+    run = {**sft_inputs["run"], "max_tokens": 1000, "args": {k: v for k, v in sft_inputs["run"]["args"].items()
+                                                            if k not in ("max_steps", "eval_steps", "save_steps")}}
+    with pytest.raises(TrainingError, match=r"lengths.json: no mean_tokens \(written by an older snaketrl\), which "
+                                            r"max_tokens needs; rerun the histogram: snakemake --forcerun "
+                                            r"length_histogram$"):
+        train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "x", checkpoint_dir=tmp_path / "cx")
+    lengths.write_text(json.dumps({"max_length": 64, "mean_tokens": 20.5}))
+    metrics = train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
+    assert (metrics["max_tokens"], metrics["max_steps"]) == (1000, 7)  # ceil(1000 / (8 x 20.5))
+    assert json.loads((tmp_path / "o" / "trainer_state.json").read_text())["global_step"] == 7
+    assert 7 * 8 * 10 < metrics["real_tokens"] < 7 * 8 * 64
+
+
 def test_a_run_that_makes_no_optimizer_step_fails_and_writes_nothing(sft_inputs, tmp_path):
     from snaketrl.errors import TrainingError
 

@@ -143,7 +143,8 @@ def with_model(ref: str, model: str, where: str) -> str:
     return ref.format(model=model)
 
 
-INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "processes", "eval_rows")
+INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "processes", "eval_rows",
+             "max_tokens")
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they
 # still match the installed GRPOConfig), so the rule is checked at parse time without importing trl.
@@ -211,6 +212,7 @@ def check(config: dict, shipped: Callable[[str], str] | None = None, gpus: int =
         distributed.check(config, name, run, where, shipped, gpus)
         check_run_counts(config, name, run, trl_args(config, run))
         _check_run_batching(config, run, where)
+        _check_max_tokens(config, name, run)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
     for name, model in config["models"].items():
         if "gguf" in model:
@@ -267,6 +269,19 @@ def _check_run_batching(config: dict, run: dict, where: str) -> None:
         if batching_of(config, "sft") != "packed":
             raise ConfigError(f"config: {where}: padding_free: TRL 1.12 needs packing with it when max_length is "
                               f"set (the length histogram sets it); set length.batching to packed for sft")
+
+
+def _check_max_tokens(config: dict, name: str, run: dict) -> None:
+    """max_tokens sets max_steps from the length stage's tokens per example: a trainer with a dataset of whole
+    examples, and never beside a max_steps of the run's own."""
+    if not run.get("max_tokens"):
+        return
+    at = f"{written_at(config, name, run, 'max_tokens')} (run {name})"
+    if REGISTRY[run["trainer"]].length_field is None:
+        raise ConfigError(f"config: {at}: {run['trainer']} generates its completions, so its tokens per step are not "
+                          f"known before training; bound it with args.max_steps")
+    if "max_steps" in trl_args(config, run):
+        raise ConfigError(f"config: {at}: max_tokens sets max_steps; the run also sets args.max_steps: keep one")
 
 
 def with_seeds(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
@@ -438,6 +453,7 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         # Absent where false or unset, so the runs of configs without them keep their params (and results).
         **({"chat": True} if chat_prompts(config["models"][run["model"]], config["datasets"][run["dataset"]]) else {}),
         **({"eval_rows": run["eval_rows"]} if run.get("eval_rows") else {}),
+        **({"max_tokens": run["max_tokens"]} if run.get("max_tokens") else {}),
     })
 
 

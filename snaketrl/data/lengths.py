@@ -291,6 +291,8 @@ def length_stats(lengths: np.ndarray, *, keep_share: float, round_to: int, cap: 
         "max_length": max_length,
         "share_truncated": 0.0 if drops == "long" else float((longest > max_length).mean()),
         "dropped": int((~kept).sum()),
+        # Real tokens an example trains on (every row, each truncated): what a run's max_tokens divides by.
+        "mean_tokens": float(truncated.sum(axis=1).mean()),
         "padding_share": 1 - efficiency["padded"],
         "batch_size": batch_size,
     }

@@ -41,9 +41,11 @@ def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, tem
     """log p(token | everything before it) of each completion token, per (prompt ids, completion ids)
     pair. Batches are left-padded with explicit position ids, so every completion ends at the right edge
     and only the last (longest completion + 1) positions' logits are computed where the model allows
-    (`logits_to_keep`): a long prompt costs no vocabulary-sized logits. A pair too long for `max_length`
-    (default: the model's context) loses prompt tokens from the left, then completion tokens from the
-    right; an empty prompt becomes `start_token_id` (default: the pad token)."""
+    (`logits_to_keep`): a long prompt costs no vocabulary-sized logits. Batches are cut from the pairs sorted by
+    length, so each pads to a neighbour's length rather than to the longest of random pairs (24 hh-rlhf pairs
+    of 60 to 930 tokens in batches of 16 were mostly padding); the results come back in the pairs' order. A
+    pair too long for `max_length` (default: the model's context) loses prompt tokens from the left, then
+    completion tokens from the right; an empty prompt becomes `start_token_id` (default: the pad token)."""
     import numpy as np
     import torch
 
@@ -53,14 +55,17 @@ def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, tem
     start_token_id = pad_token_id if start_token_id is None else start_token_id
     device = next(model.parameters()).device
     can_keep = takes_logits_to_keep(model)
-    out = []
-    for start in range(0, len(pairs), batch_size):
-        seqs, n_completion = [], []
-        for p, c in pairs[start:start + batch_size]:
-            c = list(c)[:max_length - 1]
-            p = list(p)[-(max_length - len(c)):] or [start_token_id]  # the first completion token needs a context
-            seqs.append(p + c)
-            n_completion.append(len(c))
+    cut = []
+    for p, c in pairs:
+        c = list(c)[:max_length - 1]
+        # The first completion token needs a context.
+        cut.append((list(p)[-(max_length - len(c)):] or [start_token_id], c))
+    order = sorted(range(len(cut)), key=lambda i: len(cut[i][0]) + len(cut[i][1]))
+    out = [None] * len(cut)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        seqs = [cut[i][0] + cut[i][1] for i in rows]
+        n_completion = [len(cut[i][1]) for i in rows]
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -79,8 +84,8 @@ def token_logprobs(model, pairs, *, pad_token_id: int, batch_size: int = 16, tem
         # The logit at position j predicts token j+1; log_softmax only where gathered: logit - logsumexp.
         targets = ids[:, width - keep + 1:].to(device)
         lp = (logits[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits[:, :-1].logsumexp(-1)).cpu().numpy()
-        for i, n in enumerate(n_completion):
-            out.append(np.asarray(lp[i, lp.shape[1] - n:], dtype=np.float64))
+        for i, (row, n) in enumerate(zip(rows, n_completion)):
+            out[row] = np.asarray(lp[i, lp.shape[1] - n:], dtype=np.float64)
     return out
 
 

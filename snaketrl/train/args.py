@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from snaketrl.errors import ConfigError, did_you_mean
+from snaketrl.errors import ConfigError, TrainingError, did_you_mean
 from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
@@ -135,6 +135,19 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
     elif not torch.cuda.is_available():  # transformers takes bf16 without a GPU for a mistake unless told
         kwargs["use_cpu"] = True
     return cls(**kwargs)
+
+
+def steps_for_tokens(max_tokens: int, args, lengths: dict, processes: int, packed: bool, lengths_file) -> int:
+    """A run's max_tokens as optimizer steps: the budget over the real tokens of one step's examples (`args`, a
+    TRL config, as one of `processes` trains them). A packed row is max_length tokens of examples (TRL packs
+    rows full); otherwise an example has the length stage's mean_tokens."""
+    import math
+
+    if "mean_tokens" not in lengths:
+        raise TrainingError(f"{lengths_file}: no mean_tokens (written by an older snaketrl), which max_tokens "
+                            f"needs; rerun the histogram: snakemake --forcerun length_histogram")
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    return max(1, math.ceil(max_tokens / (rows * (lengths["max_length"] if packed else lengths["mean_tokens"]))))
 
 
 def split_batch(trainer: str, args: dict, processes: int) -> tuple[dict, dict]:

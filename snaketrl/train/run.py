@@ -18,7 +18,7 @@ from snaketrl.io import read_jsonl
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train.args import (build_args, check_args, check_hardware, check_liger_model, check_switches,
-                                 split_batch)
+                                 split_batch, steps_for_tokens)
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
@@ -151,6 +151,11 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         log.info("%s: %d processes (%s): %s", run["name"], world, "gloo on CPUs" if device == "cpu" else "nccl on GPUs",
                  batch["note"])
     args = build_args(run["trainer"], run_args, **build)
+    if run.get("max_tokens"):
+        steps = steps_for_tokens(run["max_tokens"], args, lengths, world, bool(batching.get("packing")), lengths_file)
+        log.info("%s: max_tokens %d: max_steps %d", run["name"], run["max_tokens"], steps)
+        run_args = {**run_args, "max_steps": steps}
+        args = build_args(run["trainer"], run_args, **build)
     if args.bf16 and device == "cpu":
         log.info("%s: bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)",
                  run["name"])
@@ -253,6 +258,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                    unpadded=unpadded, logits_on_labels_only=labelled)
     if dropped is not None:
         metrics["examples_dropped"] = dropped
+    if run.get("max_tokens"):
+        metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps)
     if world > 1:
         metrics.update(group_metrics(trainer, batch))
     if spec.evaluates:
