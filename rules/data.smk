@@ -70,6 +70,7 @@ rule tokenize_prompts:
         eval=paths.tokenized("{dataset}", "{trainer}", "{model}", "eval"),
     log:
         paths.log("tokenize_prompts", "{dataset}", "{trainer}", "{model}"),
+    priority: 1
     conda:
         "../envs/data.yaml"
     script:

@@ -6,6 +6,7 @@ rule evaluate:
     output:
         completions=paths.evaluation("{evaluated}", "completions.jsonl"),
         metrics=paths.evaluation("{evaluated}", "metrics.json"),
+        pairs=paths.evaluation("{evaluated}", "pairs.jsonl"),
     log:
         paths.log("evaluate", "{evaluated}"),
     benchmark:

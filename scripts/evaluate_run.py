@@ -12,6 +12,7 @@ with logged(snakemake):
                    adapter_dir=inp.get("adapter"), prompts_file=inp.get("prompts"),
                    references_file=inp.get("references"), pairs_file=inp.get("pairs"),
                    reward_models=dict(zip(settings["reward_models"], inp.get("reward_models", []))),
-                   reference_completions=inp.get("reference"), lm_eval_data=inp.get("lm_eval_data"),
+                   reference_completions=inp.get("reference"), reference_pairs=inp.get("reference_pairs"),
+                   lm_eval_data=inp.get("lm_eval_data"), out_pairs=snakemake.output.pairs,
                    out_completions=snakemake.output.completions,
                    out_metrics=snakemake.output.metrics, threads=snakemake.threads))

@@ -56,6 +56,16 @@ def _jobs(tmp: Path, tiny_model_dir, reward_dir, trainer: str, name: str) -> dic
     return json.loads(json.dumps(job, default=str))
 
 
+def _token_budget_job(tmp: Path, tiny_model_dir, name: str) -> dict:
+    """SFT bounded by max_tokens 700 instead of steps; the histogram's 10 tokens an example (the rows have about
+    60) bound it at ceil(700 / (4 x 10)) = 18 steps, and the budget stops it after a few."""
+    job = _jobs(tmp, tiny_model_dir, None, "sft", name)
+    job["run"]["max_tokens"] = 700
+    del job["run"]["args"]["max_steps"]
+    Path(job["lengths_file"]).write_text(json.dumps({"max_length": 96, "mean_tokens": 10}))
+    return job
+
+
 def _write(job: dict, path: Path) -> Path:
     path.write_text(json.dumps(job))
     return path
@@ -120,6 +130,7 @@ def family(tmp_path_factory, tiny_model_dir, reward_dir):
     tmp = tmp_path_factory.mktemp("family")
     jobs = {t: (_jobs(tmp / t, tiny_model_dir, reward_dir, t, "one"), _jobs(tmp / t, tiny_model_dir, reward_dir, t, "two"))
             for t in TRAINERS}
+    jobs["sft-tokens"] = tuple(_token_budget_job(tmp / "sft-tokens", tiny_model_dir, n) for n in ("one", "two"))
     for one, _ in jobs.values():
         train_run(**one)
     err = launch([_write(two, tmp / f"{t}.json") for t, (_, two) in jobs.items()])
@@ -157,6 +168,18 @@ def test_every_trainer_trains_as_one_group_of_two_processes(family, trainer):
     else:  # PPO: every update takes the global batch of episodes, as one process does
         assert _series(two, "episode") == _series(one, "episode") == [4, 8, 12, 16]
         assert all(abs(v) < 10 for v in _series(two, "objective/scores"))
+
+
+def test_a_token_budget_stops_both_processes_where_one_process_stops(family):
+    """Each process counts the tokens of its own rows; the budget is their sum, so both processes stop together,
+    at the step one process trained to, with the same tokens and losses."""
+    jobs, _ = family
+    one, two = (Path(job["out_dir"]) for job in jobs["sft-tokens"])
+    metrics = [json.loads((out / "metrics.json").read_text()) for out in (one, two)]
+    assert [m.get("processes", 1) for m in metrics] == [1, 2] and [m["max_steps"] for m in metrics] == [18, 18]
+    assert metrics[0]["steps"] == metrics[1]["steps"] < 18
+    assert 700 <= metrics[0]["real_tokens"] == metrics[1]["real_tokens"] < 700 + 4 * 96
+    assert _series(two, "loss") == pytest.approx(_series(one, "loss"), rel=RTOL)
 
 
 def test_deepspeed_zero3_trains_on_cpus_as_ddp_does(family, tmp_path):

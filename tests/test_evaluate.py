@@ -14,8 +14,8 @@ from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.generation import generate
 from snaketrl.evaluate.harness import _lm_eval_available, lm_eval_run, lm_eval_task_manager
 from snaketrl.evaluate.job import evaluate
-from snaketrl.evaluate.likelihood import (completion_nll, encode_pairs, kl_to_reference, preference_accuracy,
-                                          token_logprobs)
+from snaketrl.evaluate.likelihood import (completion_nll, encode_pairs, kl_to_reference, padded_batches,
+                                          preference_accuracy, token_logprobs)
 from snaketrl.evaluate.loading import load_for_eval
 from snaketrl.evaluate.scoring import (distinct_n, judge_texts, mean_std, reward_function_scores, reward_model_scores,
                                        win_rate)
@@ -205,6 +205,35 @@ def test_logprobs_come_back_per_pair_in_order_from_length_sorted_batches(loaded)
     assert [float(x.sum()) for x in got] == pytest.approx([lp for lp, _ in direct], rel=1e-5)
 
 
+def test_batches_end_where_the_next_row_would_make_them_more_than_a_tenth_padding():
+    # sorted: 9 10 11 | 12 (the batch of 3 is full) | 50 55 (100 would pad them to 300 for 205 real) | 100
+    assert padded_batches([10, 100, 11, 12, 50, 9, 55], 3, 0.1) == [[5, 0, 2], [3], [4, 6], [1]]
+    assert padded_batches([7] * 5, 2) == [[0, 1], [2, 3], [4]]
+    assert padded_batches([], 4) == []
+
+
+def test_a_merged_adapter_scores_as_peft_does_and_its_reference_is_the_base(tiny_model_dir, adapters):
+    """On a CPU the run's passes take the adapter merged into the weights; the reference unmerges and disables it
+    (the plain base's numbers) and merges it back."""
+    run = load_for_eval(tiny_model_dir, adapters["random"])
+    assert run.merged
+    rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:5]
+    pairs = encode_pairs(run.tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+
+    def sums(model):
+        lps = token_logprobs(model, pairs, pad_token_id=run.tokenizer.pad_token_id, batch_size=2)
+        return [float(x.sum()) for x in lps]
+
+    merged = sums(run.model)
+    with run.reference():
+        reference = sums(run.model)
+    assert sums(run.model) == pytest.approx(merged, rel=1e-6)  # merged again
+    assert sums(load_for_eval(tiny_model_dir).model) == pytest.approx(reference, rel=1e-5)
+    run.model.unmerge_adapter()
+    assert sums(run.model) == pytest.approx(merged, rel=1e-5)  # peft's LoRA layers, unmerged
+    assert merged != pytest.approx(reference, rel=1e-3)
+
+
 def test_nll_by_hand_for_another_family(pythia_dir):
     plain = load_for_eval(pythia_dir, threads=1)
     rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[4:7]
@@ -216,7 +245,7 @@ def test_nll_by_hand_for_another_family(pythia_dir):
 def test_preference_accuracy_is_dpo_implicit_reward_by_hand(loaded):
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:8]
     p, c, r = ([row[k] for row in rows] for k in ("prompt", "chosen", "rejected"))
-    got = preference_accuracy(loaded, p, c, r, batch_size=3)
+    got, per_pair = preference_accuracy(loaded, p, c, r, batch_size=3)
     run = [(_direct_logp(loaded.model, loaded.tokenizer, *x)[0]) for x in zip(p, c)], \
           [(_direct_logp(loaded.model, loaded.tokenizer, *x)[0]) for x in zip(p, r)]
     with loaded.reference():
@@ -227,12 +256,19 @@ def test_preference_accuracy_is_dpo_implicit_reward_by_hand(loaded):
     assert got["logp_accuracy"] == pytest.approx(sum(a > b for a, b in zip(*run)) / 8)
     assert got["margin"] == pytest.approx(sum((a - b) - (x - y) for a, x, b, y in zip(*run, *base)) / 8, abs=1e-3)
     assert got["n_pairs"] == 8
+    assert [row["logp_chosen"] for row in per_pair] == pytest.approx(run[0], rel=1e-5)
+    assert [row["reference_logp_rejected"] for row in per_pair] == pytest.approx(base[1], rel=1e-5)
+    # the base's, as its own eval job computed them: the same numbers without the reference passes
+    reference = ([row["reference_logp_chosen"] for row in per_pair],
+                 [row["reference_logp_rejected"] for row in per_pair])
+    cached, cached_pairs = preference_accuracy(loaded, p, c, r, batch_size=3, reference_logps=reference)
+    assert (cached, cached_pairs) == (got, per_pair)
 
 
 def test_identity_adapter_has_no_preference_and_no_kl(tiny_model_dir, adapters):
     same = load_for_eval(tiny_model_dir, adapters["identity"])
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:6]
-    got = preference_accuracy(same, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
+    got, _ = preference_accuracy(same, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
     assert got["accuracy"] == 0.0 and got["margin"] == pytest.approx(0, abs=1e-6)  # all ties: no wins, as DPO
     gen = generate(same.model, same.tokenizer, [r["prompt"] for r in rows], max_new_tokens=6)
     assert kl_to_reference(same, gen) == pytest.approx([0.0] * 6, abs=1e-5)
@@ -241,8 +277,9 @@ def test_identity_adapter_has_no_preference_and_no_kl(tiny_model_dir, adapters):
 def test_base_model_has_plain_accuracy_only(tiny_model_dir):
     base = load_for_eval(tiny_model_dir)
     rows = read_jsonl(ROOT / "data/samples/descriptiveness.jsonl")[:4]
-    got = preference_accuracy(base, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
+    got, per_pair = preference_accuracy(base, *([row[k] for row in rows] for k in ("prompt", "chosen", "rejected")))
     assert got["accuracy"] is None and got["margin"] is None and 0 <= got["logp_accuracy"] <= 1
+    assert len(per_pair) == 4 and set(per_pair[0]) == {"logp_chosen", "logp_rejected"}
     assert kl_to_reference(base, generate(base.model, base.tokenizer, ["Hi"], max_new_tokens=2)) is None
 
 
@@ -258,11 +295,12 @@ def test_kl_is_the_log_ratio_of_the_generated_tokens(loaded):
             lp = loaded.model(input_ids=x).logits[0].float().log_softmax(-1)
         return sum(float(lp[i - 1, ids[i]]) for i in range(n_prompt, len(ids)))
 
-    for k, p, c in zip(kl, gen.prompt_ids, gen.token_ids):
+    for k, p, c, lp in zip(kl, gen.prompt_ids, gen.token_ids, gen.logprobs):
         run = logp(p + c, len(p))
         with loaded.reference():
             base = logp(p + c, len(p))
         assert k == pytest.approx(run - base, abs=1e-4)
+        assert len(lp) == len(c) and float(lp.sum()) == pytest.approx(run, abs=1e-4)  # the run's, from generation
 
 
 # --- Judges ----------------------------------------------------------------------------------------
@@ -313,10 +351,11 @@ def eval_jobs(tmp_path_factory, tiny_model_dir, adapters, judge_dir, datasets):
                "sft-qwen2-tiny": {"kind": "run", "run": "sft-qwen2-tiny", "model": "qwen2-tiny", "trainer": "sft",
                                   "seed": 42, "reference": "base-qwen2-tiny"}}
     base = evaluate(target=targets["base-qwen2-tiny"], out_completions=tmp / "base/completions.jsonl",
-                      out_metrics=tmp / "base/metrics.json", **common)
+                    out_metrics=tmp / "base/metrics.json", out_pairs=tmp / "base/pairs.jsonl", **common)
     run = evaluate(target=targets["sft-qwen2-tiny"], adapter_dir=adapters["random"],
-                     reference_completions=tmp / "base/completions.jsonl",
-                     out_completions=tmp / "run/completions.jsonl", out_metrics=tmp / "run/metrics.json", **common)
+                   reference_completions=tmp / "base/completions.jsonl", reference_pairs=tmp / "base/pairs.jsonl",
+                   out_completions=tmp / "run/completions.jsonl", out_metrics=tmp / "run/metrics.json",
+                   out_pairs=tmp / "run/pairs.jsonl", **common)
     return tmp, base, run
 
 
@@ -337,6 +376,33 @@ def test_eval_job_writes_rows_and_metrics(eval_jobs):
     assert base["kl_k1"] is None and run["kl_k1"] == pytest.approx(sum(r["kl_k1"] for r in rows) / 6)
     assert run["mean_length"] == sum(r["n_tokens"] for r in rows) / 6
     assert run["references"]["n_references"] == 6 and run["references"]["nll"] > 0
+
+
+def test_a_run_reads_its_base_pair_logps_from_the_base_job(eval_jobs, adapters, tiny_model_dir, datasets):
+    """The run job took its base's pair log-probabilities from the base job's pairs.jsonl: the same accuracy and
+    margin as a job that computes them with its adapter disabled; pairs of another job are refused, by file."""
+    from snaketrl.errors import DataError
+
+    tmp, base, run = eval_jobs
+    base_pairs, run_pairs = read_jsonl(tmp / "base/pairs.jsonl"), read_jsonl(tmp / "run/pairs.jsonl")
+    assert len(base_pairs) == len(run_pairs) == run["pairs"]["n_pairs"] == 6
+    assert [r["reference_logp_chosen"] for r in run_pairs] == [r["logp_chosen"] for r in base_pairs]
+    assert {"run", "pair_id", "pair_key", "logp_chosen", "logp_rejected"} <= set(base_pairs[0])
+    settings = check_evaluation({**SETTINGS, "prompts": None, "references": None, "reward_funcs": []}, _runs(),
+                                datasets)
+    target = {"kind": "run", "run": "sft-qwen2-tiny", "model": "qwen2-tiny", "trainer": "sft", "seed": 42,
+              "reference": "base-qwen2-tiny"}
+    common = dict(target=target, settings=settings, model_dir=tiny_model_dir, adapter_dir=adapters["random"],
+                  pairs_file=tmp / "pairs.jsonl", threads=1)
+    computed = evaluate(**common, out_completions=tmp / "own/c.jsonl", out_metrics=tmp / "own/m.json")
+    assert computed["pairs"]["accuracy"] == run["pairs"]["accuracy"]
+    assert computed["pairs"]["margin"] == pytest.approx(run["pairs"]["margin"], abs=1e-6)
+    other = tmp / "other_pairs.jsonl"
+    write_jsonl(base_pairs[1:] + base_pairs[:1], other)
+    with pytest.raises(DataError, match=rf"^evaluate sft-qwen2-tiny: the reference's pairs \({other}\) are other "
+                                        r"pairs; rerun its eval job with the same evaluation.pairs$"):
+        evaluate(**common, reference_pairs=other, out_completions=tmp / "x/c.jsonl", out_metrics=tmp / "x/m.json")
+    assert not (tmp / "x").exists()
 
 
 def test_collect_builds_one_database(eval_jobs, tmp_path):

@@ -49,6 +49,7 @@ def primary_outputs(runs, cfg):
     for name in targets:
         out[paths.evaluation(name, "metrics.json")] = ("evaluate", name)
         out[paths.evaluation(name, "completions.jsonl")] = ("evaluate", name)
+        out[paths.evaluation(name, "pairs.jsonl")] = ("evaluate", name)
     for m, d in corpus_datasets(runs, cfg):
         out[paths.raw(d, "train")] = ("get_dataset", d)
     for name, run in runs.items():

@@ -190,9 +190,11 @@ def test_sft_loss_falls_on_learnable_toy(sft_inputs, tmp_path):
                    sft_inputs["run"]["seed"])
 
 
-def test_max_tokens_sets_the_steps_from_the_tokens_per_example(sft_inputs, tmp_path):
-    """max_tokens 1000 over 8 examples a step of 20.5 tokens each (the length stage's mean_tokens): 7 steps, which
-    train the tokens asked for, give or take the last step; a histogram without mean_tokens is refused."""
+def test_max_tokens_bounds_the_steps_and_stops_where_the_tokens_reach_it(sft_inputs, tmp_path):
+    """max_tokens 1000 over 8 examples a step of 20.5 tokens each (the length stage's mean_tokens): at most 7 steps,
+    which train the tokens asked for, give or take the last step; a histogram without mean_tokens is refused.
+    Examples longer than the histogram says (mean_tokens 5: at most 25 steps) reach the budget in fewer steps:
+    the run stops at the first step by which it trained max_tokens real tokens."""
     from snaketrl.errors import TrainingError
 
     lengths = sft_inputs["lengths_file"]
@@ -206,8 +208,39 @@ def test_max_tokens_sets_the_steps_from_the_tokens_per_example(sft_inputs, tmp_p
     lengths.write_text(json.dumps({"max_length": 64, "mean_tokens": 20.5}))
     metrics = train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "o", checkpoint_dir=tmp_path / "c")
     assert (metrics["max_tokens"], metrics["max_steps"]) == (1000, 7)  # ceil(1000 / (8 x 20.5))
-    assert json.loads((tmp_path / "o" / "trainer_state.json").read_text())["global_step"] == 7
-    assert 7 * 8 * 10 < metrics["real_tokens"] < 7 * 8 * 64
+    assert json.loads((tmp_path / "o" / "trainer_state.json").read_text())["global_step"] == metrics["steps"] <= 7
+    assert metrics["real_tokens"] >= 1000 or metrics["steps"] == 7
+    assert 7 * 8 * 10 < metrics["real_tokens"] < 1000 + 8 * 64
+
+    lengths.write_text(json.dumps({"max_length": 64, "mean_tokens": 5}))
+    metrics = train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "o2", checkpoint_dir=tmp_path / "c2")
+    assert metrics["max_steps"] == 25 and metrics["steps"] < 25
+    assert 1000 <= metrics["real_tokens"] < 1000 + 8 * 64  # one step of 8 examples of at most 64 tokens over
+
+
+def test_a_max_tokens_run_killed_after_its_last_step_resumes_to_the_same_run(sft_inputs, tmp_path):
+    """Checkpoints at every step; the run stops on its budget and is killed before its outputs exist. The rerun
+    resumes and stops at the same step with the same losses and tokens: no checkpoint of the stopping step was
+    left to resume from (transformers would train one more step after it)."""
+    from transformers import TrainerCallback
+
+    class KillAtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            raise KeyboardInterrupt("simulated preemption")
+
+    sft_inputs["lengths_file"].write_text(json.dumps({"max_length": 64, "mean_tokens": 5}))
+    args = {k: v for k, v in sft_inputs["run"]["args"].items() if k not in ("max_steps", "eval_steps")}
+    run = {**sft_inputs["run"], "max_tokens": 1000, "args": {**args, "save_steps": 1, "save_total_limit": 2}}
+    whole = train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "a", checkpoint_dir=tmp_path / "ca")
+    with pytest.raises(KeyboardInterrupt):
+        train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "b", checkpoint_dir=tmp_path / "cb",
+                  callbacks=[KillAtEnd()])
+    assert not (tmp_path / "b" / "metrics.json").exists()
+    assert not (tmp_path / "cb" / f"checkpoint-{whole['steps']}").exists()
+    resumed = train_run(**{**sft_inputs, "run": run}, out_dir=tmp_path / "b", checkpoint_dir=tmp_path / "cb")
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["resumed_from"] is not None
+    assert (resumed["steps"], resumed["real_tokens"]) == (whole["steps"], whole["real_tokens"])
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")
 
 
 def test_a_run_that_makes_no_optimizer_step_fails_and_writes_nothing(sft_inputs, tmp_path):

@@ -23,6 +23,9 @@ class Generated:
     n_tokens: list[int]  # generated tokens, the closing eos included (as TRL's completions/mean_length)
     token_ids: list[list[int]] = field(repr=False)  # those tokens
     prompt_ids: list[list[int]] = field(repr=False)  # the prompt as the model saw it (unpadded)
+    # log p of each generated token under the distribution it was drawn from (the logits at `temperature`, before
+    # top_p: what the k1 KL estimate takes for the run's log-probabilities)
+    logprobs: list | None = field(default=None, repr=False)
 
 
 def generate(model, tokenizer, prompts, *, max_new_tokens: int, do_sample: bool = False, batch_size: int = 16,
@@ -35,7 +38,7 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int, do_sample: bool 
     from transformers import GenerationConfig, set_seed
 
     if not prompts:
-        return Generated([], [], [], [])
+        return Generated([], [], [], [], [])
     texts, special = prompt_texts(tokenizer, list(prompts))
     keep = max(1, max_positions(model) - max_new_tokens)
     prompt_ids = [ids[-keep:] for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
@@ -46,14 +49,20 @@ def generate(model, tokenizer, prompts, *, max_new_tokens: int, do_sample: bool 
     if seed is not None:
         set_seed(seed)
     device = next(model.parameters()).device
-    out_ids = []
+    out_ids, logprobs = [], []
     for start in range(0, len(prompt_ids), batch_size):
         batch = tokenizer.pad({"input_ids": prompt_ids[start:start + batch_size]}, padding=True,
                               padding_side="left", return_tensors="pt").to(device)
         with torch.inference_mode():
-            out = model.generate(**batch, generation_config=config)
-        for row in out[:, batch["input_ids"].shape[1]:].tolist():
+            out = model.generate(**batch, generation_config=config, output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[:, batch["input_ids"].shape[1]:]
+            # per step, the chosen token's logit less the logsumexp: no (rows x steps x vocabulary) tensor at once
+            lps = torch.stack([(logits.float() / (temperature if do_sample else 1.0)).log_softmax(-1)
+                               .gather(-1, new[:, t:t + 1]).squeeze(-1) for t, logits in enumerate(out.logits)],
+                              dim=1).cpu().numpy()
+        for row, lp in zip(new.tolist(), lps):
             cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             out_ids.append(row[:cut])
+            logprobs.append(lp[:cut].astype("float64"))
     return Generated([tokenizer.decode(ids, skip_special_tokens=True) for ids in out_ids],
-                     [len(ids) for ids in out_ids], out_ids, prompt_ids)
+                     [len(ids) for ids in out_ids], out_ids, prompt_ids, logprobs)

@@ -4,6 +4,7 @@ reward models and lm-eval tasks, into completions.jsonl and metrics.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -34,6 +35,25 @@ def _prompt_key(prompt) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
 
 
+def _pair_key(row: dict) -> str:
+    """A pair's identity across eval jobs: its prompt, chosen and rejected, hashed."""
+    text = json.dumps([row["prompt"], row["chosen"], row["rejected"]], ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _reference_logps(path, pair_rows: list[dict], model_dir, where: str):
+    """The base's (chosen, rejected) log-probabilities from its eval job's pairs.jsonl, refused unless that job
+    scored these pairs with this model."""
+    ref = read_jsonl(path)
+    if [r.get("pair_key") for r in ref] != [_pair_key(r) for r in pair_rows]:
+        raise DataError(f"{where}: the reference's pairs ({path}) are other pairs; rerun its eval job with the same "
+                        f"evaluation.pairs")
+    if any(r.get("model_dir") != str(model_dir) for r in ref):
+        raise DataError(f"{where}: the reference's pairs ({path}) were scored by {ref[0].get('model_dir')}, not this "
+                        f"run's base {model_dir}")
+    return [r["logp_chosen"] for r in ref], [r["logp_rejected"] for r in ref]
+
+
 # What a diverged model scores as NaN or inf. A NaN reward or KL of one prompt is left out of its mean
 # (scoring.mean_std): the log-likelihood metrics are the ones that show it.
 HEADLINE = {"nll": ("references", "nll"), "preference accuracy": ("pairs", "accuracy"),
@@ -57,13 +77,16 @@ def check_finite(metrics: dict, target: dict) -> None:
 
 def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_metrics, adapter_dir=None,
              prompts_file=None, references_file=None, pairs_file=None, reward_models: dict | None = None,
-             reference_completions=None, lm_eval_data=None, threads: int | None = None) -> dict:
+             reference_completions=None, reference_pairs=None, out_pairs=None, lm_eval_data=None,
+             threads: int | None = None) -> dict:
     """One eval job: the model (base + adapter, or a base alone) loaded once; every input checked before it
     loads. `target`: run, model, trainer, seed (snaketrl.config.evaluation.eval_targets). `settings`: the
     checked evaluation section. `reward_models`: run name -> merged directory. `reference_completions`: the
-    completions file of the reference's eval job (its base), for win rates. `lm_eval_data`: the workflow's
-    copies of the files the project's lm-eval tasks read, in harness.project_task_files order. Writes the
-    per-prompt JSON Lines and the metrics JSON, each atomically; returns the metrics."""
+    completions file of the reference's eval job (its base), for win rates; `reference_pairs`: that job's pairs
+    file, whose log-probabilities are the base's of a run trained from the base itself. `lm_eval_data`: the
+    workflow's copies of the files the project's lm-eval tasks read, in harness.project_task_files order. Writes
+    the per-prompt JSON Lines, the per-pair ones (`out_pairs`: empty without pairs) and the metrics JSON, each
+    atomically; returns the metrics."""
 
     started = time.perf_counter()
     name = target.get("name") or target["run"] or f"base-{target['model']}"
@@ -83,6 +106,8 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         if [_prompt_key(r["prompt"]) for r in reference] != [_prompt_key(r["prompt"]) for r in prompts_rows]:
             raise DataError(f"{where}: the reference's completions ({reference_completions}) are for other prompts; "
                             f"rerun its eval job with the same evaluation.prompts")
+    reference_logps = (_reference_logps(reference_pairs, pair_rows, model_dir, where)
+                       if reference_pairs and pair_rows is not None else None)
     manager = lm_eval_task_manager(lm_tasks) if lm_tasks else None
     data_files = dict(zip(project_task_files(lm_tasks), lm_eval_data)) if lm_eval_data else None
     for rm_name, rm_dir in reward_models.items():
@@ -98,7 +123,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
                          where=where)
     seed = target.get("seed", 0)
     timing["load"] = time.perf_counter() - t
-    rows = []
+    rows, pair_logps = [], []
     if prompts_rows is not None:
         t = time.perf_counter()
         prompts = [r["prompt"] for r in prompts_rows]
@@ -125,9 +150,11 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         timing["nll"] = time.perf_counter() - t
     if pair_rows is not None:
         t = time.perf_counter()
-        metrics["pairs"] = preference_accuracy(loaded, [r["prompt"] for r in pair_rows],
-                                               [r["chosen"] for r in pair_rows], [r["rejected"] for r in pair_rows],
-                                               batch_size=settings["batch_size"])
+        metrics["pairs"], pair_logps = preference_accuracy(
+            loaded, [r["prompt"] for r in pair_rows], [r["chosen"] for r in pair_rows],
+            [r["rejected"] for r in pair_rows], batch_size=settings["batch_size"], reference_logps=reference_logps)
+        if reference_logps:
+            log.info("%s: the base's pair log-probabilities from its eval job (%s)", where, reference_pairs)
         timing["preference"] = time.perf_counter() - t
     if lm_tasks:
         t = time.perf_counter()
@@ -162,6 +189,10 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     rows = [{**info, **row} for row in rows]
     timing["total"] = time.perf_counter() - started
     metrics = {**info, **metrics, "timing_s": timing}
+    if out_pairs is not None:
+        write_jsonl([{**info, "pair_id": i, "pair_key": _pair_key(r), "model_dir": str(model_dir), **logps}
+                     for i, (r, logps) in enumerate(zip(pair_rows or [], pair_logps))],
+                    out_pairs)
     write_jsonl(rows, out_completions)
     write_json(metrics, out_metrics)
     return metrics

@@ -113,7 +113,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     from snaketrl.train import training_samples
     from snaketrl.train.checkpoints import Attempt, kill_point
     from snaketrl.train.guard import DivergenceGuard
-    from snaketrl.train.tokens import TokenCounter
+    from snaketrl.train.tokens import TokenBudget, TokenCounter
 
     spec = REGISTRY[run["trainer"]]
     lengths = json.loads(Path(lengths_file).read_text())
@@ -153,7 +153,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     args = build_args(run["trainer"], run_args, **build)
     if run.get("max_tokens"):
         steps = steps_for_tokens(run["max_tokens"], args, lengths, world, bool(batching.get("packing")), lengths_file)
-        log.info("%s: max_tokens %d: max_steps %d", run["name"], run["max_tokens"], steps)
+        log.info("%s: max_tokens %d: at most %d steps (the schedule's length), stopping at the step whose tokens "
+                 "reach it", run["name"], run["max_tokens"], steps)
         run_args = {**run_args, "max_steps": steps}
         args = build_args(run["trainer"], run_args, **build)
     if args.bf16 and device == "cpu":
@@ -208,6 +209,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
                              for ds in (train_ds, eval_ds))
     counter = TokenCounter(tokenizer.pad_token_id)
+    budget = [TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []
     guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
     trainer_cls = load(spec.trainer)
     if batching.get("train_sampling_strategy") == "group_by_length":
@@ -217,8 +219,11 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     with answering_trl_flash_warnings(attention, run["name"]):
         trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                               processing_class=tokenizer, peft_config=peft_config,
-                              callbacks=[counter, guard, attempt, *(callbacks or [])], **extra)
+                              callbacks=[counter, *budget, guard, attempt, *(callbacks or [])], **extra)
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
+    if budget and world > 1:
+        budget[0].reduce = lambda n: trainer.accelerator.reduce(
+            torch.tensor(n, device=trainer.accelerator.device), "sum").item()
     if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
         log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
                     run["distributed"])
@@ -259,7 +264,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     if dropped is not None:
         metrics["examples_dropped"] = dropped
     if run.get("max_tokens"):
-        metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps)
+        metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps, steps=trainer.state.global_step)
+        log.info("%s: %d real tokens in %d of at most %d steps (max_tokens %d)", run["name"], metrics["real_tokens"],
+                 trainer.state.global_step, args.max_steps, run["max_tokens"])
     if world > 1:
         metrics.update(group_metrics(trainer, batch))
     if spec.evaluates:

@@ -96,6 +96,31 @@ class TokenCounter(TrainerCallback):
                 **cost_summary(steps), "flop_weights": self.flops.weights}
 
 
+class TokenBudget(TrainerCallback):
+    """A run's max_tokens, kept: training stops at the first optimizer step by which the real tokens trained
+    (TokenCounter's, over every step so far: a resumed run's earlier attempts too, and every process's) reach
+    the budget. max_steps, estimated from the length stage's mean_tokens (snaketrl.train.args.steps_for_tokens),
+    stays the schedule's length and the bound: batches longer than the mean (the grouped sampler's first one
+    holds the longest examples) reach the budget in fewer steps, and without this a run of a few steps
+    trained twice its budget on long data."""
+
+    def __init__(self, counter: TokenCounter, max_tokens: int, reduce=None):
+        self.counter, self.max_tokens = counter, max_tokens
+        self.reduce = reduce  # sums a count over the processes training together (every one stops at once)
+        self.reached_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        real = sum(step["real"] for step in self.counter.steps)
+        if self.reduce is not None:
+            real = int(self.reduce(real))
+        if real >= self.max_tokens:
+            self.reached_at = state.global_step
+            control.should_training_stop = True
+            # No checkpoint of the last step: a run killed before its outputs were written resumes from the one
+            # before and stops here again (resumed from this one, transformers would train one more step first).
+            control.should_save = False
+
+
 # Per-step records of processes that trained together: counts and FLOPs add up, a step lasts as long as its
 # slowest process, and peak memory is the largest process's.
 LONGEST = ("seconds", "peak_rss_bytes", "cuda_peak_bytes")
