@@ -283,11 +283,19 @@ def test_base_model_has_plain_accuracy_only(tiny_model_dir):
     assert kl_to_reference(base, generate(base.model, base.tokenizer, ["Hi"], max_new_tokens=2)) is None
 
 
-def test_kl_is_the_log_ratio_of_the_generated_tokens(loaded):
+def test_kl_is_the_log_ratio_of_the_generated_tokens(loaded, monkeypatch):
     import torch
 
-    gen = generate(loaded.model, loaded.tokenizer, ["She walked into the room and saw a", "Hi"], max_new_tokens=6)
+    from snaketrl.evaluate import generation
+
+    prompts = ["She walked into the room and saw a", "Hi"]
+    gen = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=6, logprobs=True)
     kl = kl_to_reference(loaded, gen, batch_size=2)
+    # logits too many to keep: the run's log-probabilities come from a forward pass, to the same estimate
+    monkeypatch.setattr(generation, "LOGITS_BYTES", 0)
+    again = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=6, logprobs=True)
+    assert again.logprobs is None and again.token_ids == gen.token_ids
+    assert kl_to_reference(loaded, again, batch_size=2) == pytest.approx(kl, abs=1e-4)
 
     def logp(ids, n_prompt):
         x = torch.tensor([ids], device=loaded.model.device)

@@ -129,7 +129,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         prompts = [r["prompt"] for r in prompts_rows]
         generated = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=gen["max_new_tokens"],
                              do_sample=gen["do_sample"], batch_size=gen["batch_size"], temperature=gen["temperature"],
-                             top_p=gen["top_p"], seed=seed)
+                             top_p=gen["top_p"], seed=seed, logprobs=loaded.has_reference)
         timing["generate"] = time.perf_counter() - t
         t = time.perf_counter()
         kl = kl_to_reference(loaded, generated, batch_size=settings["batch_size"],
