@@ -197,6 +197,17 @@ def length_settings(wildcards):
     )
 
 
+def train_priority(wildcards):
+    """Runs in a chain (SFT -> GRPO, the reward model -> PPO: the longest path, and the longest jobs) train
+    before a run on its own, which fills the cores beside them; evaluation comes after.
+    """
+    run = run_of(wildcards)
+    feeds = any(
+        wildcards.run in (r["policy"], r["reward_model"]) for r in RUNS.values()
+    )
+    return 2 if feeds or run["policy"] or run["reward_model"] else 1
+
+
 def run_threads(wildcards):
     return model_threads(run_of(wildcards)["model"])
 

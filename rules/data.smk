@@ -49,6 +49,8 @@ rule length_histogram:
         ),
     log:
         paths.log("length_histogram", "{trainer}", "{dataset}", "{model}"),
+    # Seconds, and every train job waits for one.
+    priority: 3
     conda:
         "../envs/data.yaml"
     params:
@@ -70,7 +72,7 @@ rule tokenize_prompts:
         eval=paths.tokenized("{dataset}", "{trainer}", "{model}", "eval"),
     log:
         paths.log("tokenize_prompts", "{dataset}", "{trainer}", "{model}"),
-    priority: 1
+    priority: 3
     conda:
         "../envs/data.yaml"
     script:

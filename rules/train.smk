@@ -11,9 +11,9 @@ rule train:
         paths.log("train", "{run}"),
     benchmark:
         paths.benchmark("train", "{run}")
-    # Training before evaluation: the long chains (SFT -> GRPO, reward model -> PPO) start first, and the short
-    # eval jobs fill the cores at the end (on 2 cores, an unordered run left PPO's 400 s alone at its end).
-    priority: 1
+    # Training before evaluation, and the long chains (SFT -> GRPO, reward model -> PPO) first: the short eval jobs
+    # fill the cores at the end (on 2 cores, an unordered run left PPO's 400 s alone at its end).
+    priority: train_priority
     conda:
         "../envs/train.yaml"
     threads: train_threads
@@ -38,7 +38,7 @@ rule merge:
         directory(paths.merged("{run}")),
     log:
         paths.log("merge", "{run}"),
-    priority: 1
+    priority: 3
     conda:
         "../envs/train.yaml"
     threads: run_threads

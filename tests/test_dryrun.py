@@ -122,6 +122,18 @@ def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
                        if rule in ("train", "evaluate", "merge", "pretrain")})
 
     assert threads("--configfile", "config/smollm2.yaml") == [("evaluate", 1), ("merge", 1), ("train", 1)]
+    # The runs in a chain (SFT -> GRPO, reward model -> PPO) train first, DPO on its own beside them, evaluation
+    # after; what gates training (lengths, tokenized prompts, merges) before any.
+    proc = snakemake(wd, "-n", "--forceall", "--configfile", "config/smollm2.yaml", timeout=120)
+    jobs = re.findall(r"(?ms)^rule (\w+):\n(.*?)(?=^\[|\Z)", proc.stdout)
+    priority = {(rule, m[1] if (m := re.search(r"wildcards: (?:run|evaluated)=(\S+)", body)) else None):
+                int(m[1]) if (m := re.search(r"priority: (\d+)", body)) else 0 for rule, body in jobs}
+    assert {k: v for k, v in priority.items() if k[0] == "train"} == {
+        ("train", "sft-smollm2-seed1"): 2, ("train", "sft-smollm2-seed2"): 2, ("train", "reward-smollm2-seed1"): 2,
+        ("train", "dpo-smollm2-seed1"): 1, ("train", "dpo-smollm2-seed2"): 1, ("train", "grpo-smollm2-seed1"): 2,
+        ("train", "grpo-smollm2-seed2"): 2, ("train", "ppo-smollm2-seed1"): 2}
+    assert {rule for (rule, _), v in priority.items() if v == 3} == {"length_histogram", "tokenize_prompts", "merge"}
+    assert {v for (rule, _), v in priority.items() if rule == "evaluate"} == {0}
     cfg = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
     del cfg["models"]["smollm2"]["threads"]
     (wd / "cores.yaml").write_text(yaml.safe_dump(cfg))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import sqlite3
 import subprocess
 import sys
@@ -413,6 +414,58 @@ def test_a_run_reads_its_base_pair_logps_from_the_base_job(eval_jobs, adapters, 
     assert not (tmp / "x").exists()
 
 
+def test_a_run_from_a_merged_policy_reads_the_policy_jobs_pair_logps(eval_jobs, adapters, tiny_model_dir, datasets,
+                                                                      caplog):
+    """A run started from another run's merged policy (GRPO from SFT) takes its reference's pair log-probabilities
+    from that run's eval job, which scored them with the same base and adapter (merged in memory, as the merge rule
+    merges on disk): the same accuracy as computing them. The base's pairs are refused for it, naming both scorers;
+    pairs computed in another dtype are computed again."""
+    import logging
+
+    from snaketrl.errors import DataError
+    from snaketrl.models.merge import merge
+
+    tmp, _, _ = eval_jobs
+    merge(adapters["random"], tiny_model_dir, tmp / "merged", threads=1)
+    assert json.loads((tmp / "merged/merged_from.json").read_text()) == {
+        "model_dir": str(tiny_model_dir), "adapter_dir": str(adapters["random"])}
+    settings = check_evaluation({**SETTINGS, "prompts": None, "references": None, "reward_funcs": []}, _runs(),
+                                datasets)
+    target = {"kind": "run", "run": "grpo-qwen2-tiny", "model": "qwen2-tiny", "trainer": "grpo", "seed": 42,
+              "reference": "base-qwen2-tiny"}
+    common = dict(target=target, settings=settings, model_dir=tmp / "merged", adapter_dir=adapters["random"],
+                  pairs_file=tmp / "pairs.jsonl", threads=1)
+    policy_pairs = read_jsonl(tmp / "run/pairs.jsonl")
+    assert {(r["model_dir"], r["adapter_dir"], r["dtype"]) for r in policy_pairs} == {
+        (str(tiny_model_dir), str(adapters["random"]), "torch.float32")}
+    computed = evaluate(**common, out_completions=tmp / "g1/c.jsonl", out_metrics=tmp / "g1/m.json",
+                        out_pairs=tmp / "g1/p.jsonl")
+    with caplog.at_level(logging.INFO, logger="snaketrl.evaluate"):
+        read = evaluate(**common, reference_pairs=tmp / "run/pairs.jsonl", out_completions=tmp / "g2/c.jsonl",
+                        out_metrics=tmp / "g2/m.json", out_pairs=tmp / "g2/p.jsonl")
+    assert "the reference's pair log-probabilities from its eval job" in caplog.text
+    assert [r["reference_logp_chosen"] for r in read_jsonl(tmp / "g2/p.jsonl")] == [
+        r["logp_chosen"] for r in policy_pairs]
+    assert [r["reference_logp_chosen"] for r in read_jsonl(tmp / "g1/p.jsonl")] == pytest.approx(
+        [r["logp_chosen"] for r in policy_pairs], abs=1e-4)
+    assert read["pairs"]["accuracy"] == computed["pairs"]["accuracy"]
+    assert read["pairs"]["margin"] == pytest.approx(computed["pairs"]["margin"], abs=1e-4)
+    base = {"model_dir": str(tiny_model_dir), "adapter_dir": None}
+    with pytest.raises(DataError, match=re.escape(
+            f"evaluate grpo-qwen2-tiny: the reference's pairs ({tmp / 'base/pairs.jsonl'}) were scored by {base}, "
+            f"not by this run's base {{'model_dir': '{tiny_model_dir}', 'adapter_dir': '{adapters['random']}'}}")):
+        evaluate(**common, reference_pairs=tmp / "base/pairs.jsonl", out_completions=tmp / "x/c.jsonl",
+                 out_metrics=tmp / "x/m.json")
+    assert not (tmp / "x").exists()
+    write_jsonl([{**r, "dtype": "torch.bfloat16"} for r in policy_pairs], tmp / "bf16_pairs.jsonl")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="snaketrl.evaluate"):
+        again = evaluate(**common, reference_pairs=tmp / "bf16_pairs.jsonl", out_completions=tmp / "g3/c.jsonl",
+                         out_metrics=tmp / "g3/m.json")
+    assert "were computed in torch.bfloat16; this job computes them in torch.float32" in caplog.text
+    assert again["pairs"] == computed["pairs"]
+
+
 def test_collect_builds_one_database(eval_jobs, tmp_path):
     tmp, _, _ = eval_jobs
     samples = tmp_path / "samples.jsonl"
@@ -680,6 +733,9 @@ def test_eval_job_inputs_name_the_workflow_files(datasets):
         "model": paths.merged("sft-qwen2-tiny"), "adapter": paths.adapter("ppo-qwen2-tiny"),
         "prompts": paths.prepared("tldr", "grpo", "eval"), "pairs": paths.prepared("descriptiveness", "dpo", "eval"),
         "reward_models": [paths.merged("reward-pythia-tiny")],
-        "reference": paths.evaluation("base-qwen2-tiny", "completions.jsonl")}  # one yardstick: the base
+        "reference": paths.evaluation("base-qwen2-tiny", "completions.jsonl"),  # one yardstick: the base
+        "reference_pairs": paths.evaluation("sft-qwen2-tiny", "pairs.jsonl")}  # its start's pair log-probabilities
+    assert eval_job_inputs("sft-qwen2-tiny", ev, _runs())["reference_pairs"] == paths.evaluation(
+        "base-qwen2-tiny", "pairs.jsonl")
     assert eval_job_inputs("base-qwen2-tiny", ev, _runs())["model"] == paths.model("qwen2-tiny")
     assert "reference" not in eval_job_inputs("base-qwen2-tiny", ev, _runs())

@@ -228,11 +228,13 @@ def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | 
     """The files one eval job reads (snaketrl.paths), by the names snaketrl.evaluate.job.evaluate's script
     passes on: model (the start model), adapter (runs only), prompts/references/pairs (the prepared split
     of each configured dataset), reward_models (merged reward runs, in evaluation.reward_models order),
-    reference (the completions of the reference's eval job, for win rates) and reference_pairs (its pairs'
-    log-probabilities, for a run trained from the base itself). `targets`: eval_targets(ev, runs),
-    computed once by the caller (per job, it would cost each dry run time quadratic in the runs)."""
+    reference (the completions of the reference's eval job, for win rates) and reference_pairs (the pair
+    log-probabilities of the eval job of the model a run started from: its base, or its policy). `targets`:
+    eval_targets(ev, runs), computed once by the caller (per job, it would cost each dry run time quadratic in the
+    runs)."""
 
-    target = (targets if targets is not None else eval_targets(ev, runs))[name]
+    targets = targets if targets is not None else eval_targets(ev, runs)
+    target = targets[name]
     if target["kind"] == "run":
         run = runs[target["run"]]
         inputs = {"model": paths.merged(run["policy"]) if run.get("policy") else paths.model(run["model"]),
@@ -246,8 +248,10 @@ def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | 
         inputs["reward_models"] = [paths.merged(r) for r in ev["reward_models"]]
     if target["reference"] and ev["prompts"]:
         inputs["reference"] = paths.evaluation(target["reference"], "completions.jsonl")
-    # The base job's pair log-probabilities are this run's base's when it trained on the base itself (a run
-    # started from another run's merged policy has that policy for base).
-    if target["reference"] and ev["pairs"] and target["kind"] == "run" and not runs[target["run"]].get("policy"):
-        inputs["reference_pairs"] = paths.evaluation(target["reference"], "pairs.jsonl")
+    # A run's pair log-probabilities are relative to the model it started from (its adapter disabled): the base,
+    # or the policy it started from, whose own eval job scored the pairs with the same weights.
+    if ev["pairs"] and target["kind"] == "run":
+        start = runs[target["run"]].get("policy") or target["reference"]
+        if start in targets:
+            inputs["reference_pairs"] = paths.evaluation(start, "pairs.jsonl")
     return inputs

@@ -21,6 +21,7 @@ from snaketrl.evaluate.loading import load_for_eval
 from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scores, reward_model_scores, win_rate
 from snaketrl.imports import imports_done
 from snaketrl.io import read_jsonl, write_json, write_jsonl
+from snaketrl.models.merge import MERGED_FROM
 
 log = logging.getLogger("snaketrl.evaluate")
 
@@ -41,17 +42,46 @@ def _pair_key(row: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _scorer(model_dir, adapter_dir=None) -> dict:
+    """The weights a job scores pairs with, as the pairs file records them: a model directory and the adapter on
+    it. A merged directory without an adapter is the base and adapter it was merged from (snaketrl.models.merge)."""
+    merged_from = Path(model_dir) / MERGED_FROM
+    if adapter_dir is None and merged_from.is_file():
+        return json.loads(merged_from.read_text())
+    return {"model_dir": str(model_dir), "adapter_dir": None if adapter_dir is None else str(adapter_dir)}
+
+
 def _reference_logps(path, pair_rows: list[dict], model_dir, where: str):
-    """The base's (chosen, rejected) log-probabilities from its eval job's pairs.jsonl, refused unless that job
-    scored these pairs with this model."""
+    """This run's base's (chosen, rejected) log-probabilities and their dtype, from the pairs.jsonl of the eval
+    job that scored them: the base model's, or for a run started from another run's merged policy, that run's.
+    Refused unless that job scored these pairs with the weights this run's base has; None (computed here) when
+    the merged policy predates its record of what it was merged from."""
     ref = read_jsonl(path)
     if [r.get("pair_key") for r in ref] != [_pair_key(r) for r in pair_rows]:
         raise DataError(f"{where}: the reference's pairs ({path}) are other pairs; rerun its eval job with the same "
                         f"evaluation.pairs")
-    if any(r.get("model_dir") != str(model_dir) for r in ref):
-        raise DataError(f"{where}: the reference's pairs ({path}) were scored by {ref[0].get('model_dir')}, not this "
-                        f"run's base {model_dir}")
-    return [r["logp_chosen"] for r in ref], [r["logp_rejected"] for r in ref]
+    base = _scorer(model_dir)
+    if base["adapter_dir"] is None and base["model_dir"] != str(model_dir):
+        return None
+    scored_by = {"model_dir": ref[0].get("model_dir"), "adapter_dir": ref[0].get("adapter_dir")} if ref else base
+    if any({"model_dir": r.get("model_dir"), "adapter_dir": r.get("adapter_dir")} != base for r in ref):
+        raise DataError(f"{where}: the reference's pairs ({path}) were scored by {scored_by}, not by this run's "
+                        f"base {base}")
+    return [r["logp_chosen"] for r in ref], [r["logp_rejected"] for r in ref], ref[0].get("dtype") if ref else None
+
+
+def _same_numbers(reference_logps, dtype: str, model_dir, reference_pairs, where: str):
+    """The reference's log-probabilities if this job's reference pass would give the same numbers: the same dtype;
+    and for a merged policy, fp32 (its job merged the adapter in memory as the merge rule does on disk; in bf16 an
+    unmerged adapter's and merged weights' products differ by more than a run's effect). Else None: computed here."""
+    if reference_logps is None:
+        return None
+    chosen, rejected, theirs = reference_logps
+    if theirs != dtype or (_scorer(model_dir)["adapter_dir"] is not None and dtype != "torch.float32"):
+        log.info("%s: the reference's pair log-probabilities (%s) were computed in %s; this job computes them in %s",
+                 where, reference_pairs, theirs, dtype)
+        return None
+    return chosen, rejected
 
 
 # What a diverged model scores as NaN or inf. A NaN reward or KL of one prompt is left out of its mean
@@ -118,6 +148,8 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     t = time.perf_counter()
     loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
     imports_done()
+    dtype = str(next(loaded.model.parameters()).dtype)
+    reference_logps = _same_numbers(reference_logps, dtype, model_dir, reference_pairs, where)
     for kind, rows in rows_of.items():
         require_template(loaded.tokenizer, rows, kind in chat, model=target["model"], dataset=settings[kind]["dataset"],
                          where=where)
@@ -154,7 +186,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
             loaded, [r["prompt"] for r in pair_rows], [r["chosen"] for r in pair_rows],
             [r["rejected"] for r in pair_rows], batch_size=settings["batch_size"], reference_logps=reference_logps)
         if reference_logps:
-            log.info("%s: the base's pair log-probabilities from its eval job (%s)", where, reference_pairs)
+            log.info("%s: the reference's pair log-probabilities from its eval job (%s)", where, reference_pairs)
         timing["preference"] = time.perf_counter() - t
     if lm_tasks:
         t = time.perf_counter()
@@ -190,7 +222,8 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     timing["total"] = time.perf_counter() - started
     metrics = {**info, **metrics, "timing_s": timing}
     if out_pairs is not None:
-        write_jsonl([{**info, "pair_id": i, "pair_key": _pair_key(r), "model_dir": str(model_dir), **logps}
+        scorer = {**_scorer(model_dir, adapter_dir), "dtype": dtype}
+        write_jsonl([{**info, "pair_id": i, "pair_key": _pair_key(r), **scorer, **logps}
                      for i, (r, logps) in enumerate(zip(pair_rows or [], pair_logps))],
                     out_pairs)
     write_jsonl(rows, out_completions)

@@ -7,10 +7,14 @@ import shutil
 from pathlib import Path
 
 from snaketrl.imports import imports_done
-from snaketrl.io import atomic
+from snaketrl.io import atomic, write_json
 from snaketrl.models.gguf import SOURCE_FILE
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.trainers import MODEL_CLASSES
+
+# What a merged directory was merged from: an eval job scoring with it as its reference finds there the job that
+# scored with that base and adapter (snaketrl.evaluate.job).
+MERGED_FROM = "merged_from.json"
 
 
 def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads: int | None = None) -> None:
@@ -31,5 +35,6 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
     with atomic(out_dir, directory=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_json({"model_dir": str(base_dir), "adapter_dir": str(adapter_dir)}, Path(tmp) / MERGED_FROM)
         if (Path(base_dir) / SOURCE_FILE).is_file():  # the runs that start from it record their base's source
             shutil.copy2(Path(base_dir) / SOURCE_FILE, Path(tmp) / SOURCE_FILE)
