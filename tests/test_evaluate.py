@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import re
 import sqlite3
 import subprocess
@@ -464,6 +465,11 @@ def test_a_run_from_a_merged_policy_reads_the_policy_jobs_pair_logps(eval_jobs, 
                          out_metrics=tmp / "g3/m.json")
     assert "were computed in torch.bfloat16; this job computes them in torch.float32" in caplog.text
     assert again["pairs"] == computed["pairs"]
+    shutil.copytree(tmp / "merged", tmp / "unrecorded")  # merged before merges recorded their source
+    (tmp / "unrecorded/merged_from.json").unlink()
+    older = evaluate(**{**common, "model_dir": tmp / "unrecorded"}, reference_pairs=tmp / "run/pairs.jsonl",
+                     out_completions=tmp / "g4/c.jsonl", out_metrics=tmp / "g4/m.json")
+    assert older["pairs"] == computed["pairs"]
 
 
 def test_collect_builds_one_database(eval_jobs, tmp_path):

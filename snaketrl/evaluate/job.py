@@ -61,11 +61,12 @@ def _reference_logps(path, pair_rows: list[dict], model_dir, where: str):
         raise DataError(f"{where}: the reference's pairs ({path}) are other pairs; rerun its eval job with the same "
                         f"evaluation.pairs")
     base = _scorer(model_dir)
-    if base["adapter_dir"] is None and base["model_dir"] != str(model_dir):
+    scored = [{"model_dir": r.get("model_dir"), "adapter_dir": r.get("adapter_dir")} for r in ref]
+    if base["adapter_dir"] is None and any(s["adapter_dir"] for s in scored):
+        log.info("%s: %s has no %s; this job computes its pair log-probabilities", where, model_dir, MERGED_FROM)
         return None
-    scored_by = {"model_dir": ref[0].get("model_dir"), "adapter_dir": ref[0].get("adapter_dir")} if ref else base
-    if any({"model_dir": r.get("model_dir"), "adapter_dir": r.get("adapter_dir")} != base for r in ref):
-        raise DataError(f"{where}: the reference's pairs ({path}) were scored by {scored_by}, not by this run's "
+    if any(s != base for s in scored):
+        raise DataError(f"{where}: the reference's pairs ({path}) were scored by {scored[0]}, not by this run's "
                         f"base {base}")
     return [r["logp_chosen"] for r in ref], [r["logp_rejected"] for r in ref], ref[0].get("dtype") if ref else None
 
