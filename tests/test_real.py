@@ -157,7 +157,10 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
         write_jsonl(read_jsonl(files["train_file"])[:8], files["train_file"])
         write_json({"max_length": 128, "chat": True, "batching_by_device": {"cpu": grouped}}, files["lengths_file"])
         run = check(config_for("smollm2", ENTRY, trainer, steps=2))["run"]
-        run["args"].update(per_device_train_batch_size=4, per_device_eval_batch_size=4)
+        # fp32 on every CPU: on one with bf16 matrix units (a real model trains in bf16 there) the two process
+        # counts' first SFT losses differed by 4.5e-3 (an H100 machine's Xeon, AMX), too near the percents by which
+        # a wrongly normalized loss is off (below).
+        run["args"].update(per_device_train_batch_size=4, per_device_eval_batch_size=4, bf16=False)
         jobs[trainer] = [{"run": run, "model_dir": str(smollm2), "threads": 1, "reward_dir": None,
                           **{key: str(files[key]) for key in ("train_file", "eval_file", "lengths_file")},
                           "out_dir": str(work / name / "out"), "checkpoint_dir": str(work / name / "ckpt")}
@@ -169,6 +172,7 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
     for trainer, (one, two) in jobs.items():
         metrics = json.loads((tmp_path / trainer / "two" / "out" / "metrics.json").read_text())
         assert (metrics["processes"], metrics["logits_on_labels_only"], metrics["row_groups"]) == (2, True, True)
+        assert read_manifest(tmp_path / trainer / "two")["numerics"]["dtype"] == "float32"
         losses = _series(two["out_dir"], "loss")
         # Measured here (fp32): both first losses the same bits; the second, SFT's 6.0e-5 off, exactly as far off
         # with TRL's own loss (loss_type nll), DPO's 2.6e-7: Adam's first update turns the all-reduce's rounding into

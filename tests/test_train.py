@@ -86,6 +86,29 @@ def test_a_real_model_on_a_cpu_with_bf16_units_trains_in_bf16(tmp_path, config, 
     assert dtypes == {False: "bfloat16", True: "float32"}
 
 
+@pytest.mark.parametrize("trainer", ["dpo", "reward", "grpo", "ppo"])
+def test_every_trainer_trains_a_real_model_in_bf16_on_a_cpu_with_bf16_units(trainer, tmp_path, config,
+                                                                             tiny_model_dir, reward_dir, monkeypatch):
+    """The other trainers on that path (faked units): bf16 weights and autocast, PPO's value model and reference
+    included, as a real model trains on an AMX Xeon or an AVX512-BF16 EPYC, where the real tier runs this way."""
+    import math
+
+    import torch
+
+    from test_trainers import EXPECTED, prepare
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    job = prepare(tmp_path, config, tiny_model_dir, trainer)
+    job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+    train_run(**job, reward_dir=reward_dir if trainer == "ppo" else None)
+    manifest = json.loads((job["out_dir"] / "manifest.json").read_text())
+    state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
+    logged = {k: v for entry in state["log_history"] for k, v in entry.items() if k in EXPECTED[trainer]}
+    assert manifest["numerics"]["dtype"] == "bfloat16" and manifest["trl_args"]["bf16"] is True
+    assert state["global_step"] >= 3 and set(logged) == EXPECTED[trainer]
+    assert all(math.isfinite(v) for v in logged.values())
+
+
 def test_missing_lora_target_lists_the_model_modules(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
