@@ -2,8 +2,8 @@
 
 import json
 import math
-import shutil
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys

@@ -78,9 +78,13 @@ def _same_numbers(reference_logps, dtype: str, model_dir, reference_pairs, where
     if reference_logps is None:
         return None
     chosen, rejected, theirs = reference_logps
-    if theirs != dtype or (_scorer(model_dir)["adapter_dir"] is not None and dtype != "torch.float32"):
+    if theirs != dtype:
         log.info("%s: the reference's pair log-probabilities (%s) were computed in %s; this job computes them in %s",
                  where, reference_pairs, theirs, dtype)
+        return None
+    if _scorer(model_dir)["adapter_dir"] is not None and dtype != "torch.float32":
+        log.info("%s: the reference's pair log-probabilities (%s) came from an unmerged adapter; in %s this job's "
+                 "merged weights give other numbers, so it computes them", where, reference_pairs, dtype)
         return None
     return chosen, rejected
 
