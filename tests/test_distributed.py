@@ -366,7 +366,7 @@ def test_a_failed_launch_is_one_line_naming_the_rank_and_how_it_ended():
 
 def test_kill_points_may_name_a_rank_and_a_signal(monkeypatch):
     from snaketrl.errors import SnaketrlError
-    from snaketrl.train.checkpoints import check_kill_env
+    from snaketrl.kill_points import check_kill_env
 
     monkeypatch.setenv("SNAKETRL_KILL_AT", "mid_step:3@1")
     monkeypatch.setenv("SNAKETRL_KILL_SIGNAL", "SIGSTOP")

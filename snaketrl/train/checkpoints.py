@@ -17,10 +17,7 @@ keeps beyond transformers' own files so that a resumed run ends exactly where an
   sampler that shuffles from its own generator (TRL's RepeatSampler), which a new trainer starts afresh.
 - A save that runs out of disk space ends the job with one line (`DiskFull`).
 
-Tests kill the job at named points: SNAKETRL_KILL_AT=<point>[:<step>][@<rank>] (`KILL_POINTS`) makes it SIGKILL
-itself there (with @<rank>, only that process of a launched job), so that each case is deterministic
-(tests/test_interruptions.py, tests/test_distributed_training.py). SNAKETRL_KILL_SIGNAL=SIGSTOP makes the process
-stop there instead, as a hung one would.
+Tests kill the job at named points (snaketrl.kill_points).
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -39,7 +34,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from snaketrl.errors import DiskFull, SnaketrlError
+from snaketrl.errors import DiskFull
+from snaketrl.kill_points import check_kill_env, kill_point
 
 log = logging.getLogger("snaketrl.train")
 
@@ -53,61 +49,6 @@ USUAL = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth", 
 # kept with each checkpoint.
 KEPT = ("_total_train_tokens", "_metrics", "_stored_metrics", "stats", "_step", "_buffered_inputs",
         "_entropy_window_stats")
-KILL_ENV = "SNAKETRL_KILL_AT"
-KILL_POINTS = {
-    "mid_step": "in optimizer step N, its gradients computed, before its weights change (PPO: after its update, "
-                "before step end and checkpoint)",
-    "during_checkpoint_save": "while checkpoint N is saved: its weights written, nothing else",
-    "after_checkpoint": "right after checkpoint N is complete",
-    "after_last_checkpoint": "right after the last step's checkpoint is complete",
-    "final_eval": "in the final evaluation, after its first batch",
-    "writing_outputs": "after the adapter and trainer_state.json are written, before metrics.json and the manifest",
-}
-
-
-def _kill_at() -> tuple[str, str, str] | None:
-    """SNAKETRL_KILL_AT as (point, step, rank); the last two may be ''."""
-    wanted = os.environ.get(KILL_ENV)
-    if not wanted:
-        return None
-    rest, _, rank = wanted.partition("@")
-    point, _, at = rest.partition(":")
-    return point, at, rank
-
-
-def kill_point(name: str, step: int | None = None) -> None:
-    """SIGKILL this process (or send it SNAKETRL_KILL_SIGNAL) if SNAKETRL_KILL_AT names this point (and this
-    step, and this process's rank, where it gives them): a test-only switch that makes an interruption happen
-    exactly here."""
-    wanted = _kill_at()
-    if not wanted:
-        return
-    point, at, rank = wanted
-    if point == name and (not at or step is None or int(at) == step) and (
-            not rank or int(rank) == int(os.environ.get("RANK", "0"))):
-        sig = signal.Signals[os.environ.get("SNAKETRL_KILL_SIGNAL", "SIGKILL")]
-        log.warning("%s=%s: %s this process at %s", KILL_ENV, os.environ[KILL_ENV],
-                    "killing" if sig == signal.SIGKILL else f"sending {sig.name} to",
-                    name if step is None else f"{name} {step}")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), sig)
-
-
-def check_kill_env() -> None:
-    wanted = _kill_at()
-    if not wanted:
-        return
-    point, at, rank = wanted
-    if point not in KILL_POINTS or (at and not at.isdigit()) or (rank and not rank.isdigit()) or \
-            os.environ.get("SNAKETRL_KILL_SIGNAL", "SIGKILL") not in signal.Signals.__members__:
-        raise SnaketrlError(f"{KILL_ENV}={os.environ[KILL_ENV]!r}: expected <point>, <point>:<step> or either "
-                            f"with @<rank>, a point of {', '.join(KILL_POINTS)} (and SNAKETRL_KILL_SIGNAL a "
-                            f"signal's name)")
-
-
 def _step(folder: Path) -> int:
     tail = folder.name[len(PREFIX):]
     return int(tail) if tail.isdigit() else -1

@@ -111,7 +111,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     from snaketrl import manifest
     from snaketrl.io import atomic, hash_path, write_json
     from snaketrl.train import training_samples
-    from snaketrl.train.checkpoints import Attempt, kill_point
+    from snaketrl.kill_points import kill_point
+    from snaketrl.train.checkpoints import Attempt
     from snaketrl.train.guard import DivergenceGuard
     from snaketrl.train.tokens import TokenBudget, TokenCounter
 
