@@ -23,7 +23,7 @@ WORKFLOW_ROOT = os.fspath(workflow.current_basedir)
 shipped = partial(os.path.join, WORKFLOW_ROOT)
 
 # Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
-from snaketrl.config import check, validate, yaml_mistake
+from snaketrl.config import resolve_runs, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import SnaketrlError
 from snaketrl.forkserver import offer
@@ -48,7 +48,7 @@ try:
     TRAIN_GPUS = rule_gpus(
         workflow.resource_settings.overwrite_resources.get("train", {})
     )
-    RUNS = check(config, shipped, TRAIN_GPUS)
+    RUNS = resolve_runs(config, shipped, TRAIN_GPUS)
     EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"], shipped)
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:

@@ -37,11 +37,11 @@ EPOCH = {"num_train_epochs": 1, "max_steps": -1, "eval_strategy": "no", "save_st
 def load_config(path: Path) -> tuple[dict, dict]:
     import yaml
 
-    from snaketrl.config import check, validate
+    from snaketrl.config import resolve_runs, validate
 
     config = yaml.safe_load(path.read_text())
     validate(config, str(ROOT / "config" / "schema.yaml"))
-    return config, check(config, shipped)
+    return config, resolve_runs(config, shipped)
 
 
 def corpus_file(config: dict, item: str, work: Path) -> str:
@@ -125,15 +125,14 @@ def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
 
 
 def length_settings(config: dict, run: dict, batching: str) -> dict:
-    """The length stage's settings for a run, as rules/common.smk's length_settings gives them, `batching` asked."""
+    """The length stage's settings for a run (snaketrl.config.length_settings, as the workflow's length job gets
+    them), `batching` asked, with the run's own attention (a bench may set another)."""
     from snaketrl.config import canonical
-    from snaketrl.trainers import REGISTRY
+    from snaketrl.config import length_settings as settings
 
-    return canonical({**{k: v for k, v in config["length"].items() if k != "batching"},
-                      "trainer": run["trainer"], "layout": REGISTRY[run["trainer"]].layout,
-                      "batch_size": run["args"].get("per_device_train_batch_size", 8), "seed": config["seed"],
-                      "batching": batching, "attn_implementation": run["model_entry"].get("attn_implementation"),
-                      **({"chat": True} if run.get("chat") else {})})
+    return canonical({**settings(config, run["trainer"], run["dataset"], run["model"],
+                                 run["args"].get("per_device_train_batch_size", 8), batching),
+                      "attn_implementation": run["model_entry"].get("attn_implementation")})
 
 
 def cpu_clock():
@@ -275,7 +274,8 @@ def main() -> None:
             if strategy not in ("auto", *REGISTRY[run["trainer"]].batching):
                 continue
             for seed in opts.seeds:
-                job = {"run": run, "seed": seed, "settings": length_settings(config, run, strategy), "model_dir": str(model_dir),
+                job = {"run": run, "seed": seed, "settings": length_settings(config, run, strategy),
+                       "model_dir": str(model_dir),
                        "train": str(train), "eval": str(evals), "threads": opts.threads,
                        "work": str(opts.work / "runs" / name / f"{strategy}-seed{seed}")}
                 result = measure(job)

@@ -4,7 +4,6 @@ from snakemake.exceptions import WorkflowError
 
 from snaketrl import paths
 from snaketrl.config import (
-    batching_of,
     canonical,
     chat_prompts,
     corpus_files,
@@ -12,6 +11,7 @@ from snaketrl.config import (
     local_files,
     model_source_entry,
 )
+from snaketrl.config import resolve
 from snaketrl.config.evaluation import eval_job_inputs
 from snaketrl.evaluate.harness import project_task_files
 from snaketrl.train import distributed
@@ -22,25 +22,17 @@ def _alternatives(names):
     return "|".join(re.escape(n) for n in names) or "(?!)"
 
 
-def _one_of(names):
-    """A constraint admitting every name in `names`. Snakemake splices constraints into the output
-    patterns and rewrites those for every job, so a thousand-name alternation costs seconds per dry
-    run. Names that are single path segments share one segment pattern instead: the layout
-    (snaketrl.paths) already tells each segment apart. A name holding '/' needs the list.
-    """
-    if names and all("/" not in n for n in names):
-        return "[^/]+"
-    return _alternatives(names)
-
-
 TINY_MODELS = [m for m, e in config["models"].items() if "tiny" in e]
 # Models the download_model job brings: a Hub snapshot, or a GGUF file converted.
 FETCHED_MODELS = [m for m in config["models"] if m not in TINY_MODELS]
 
 
+# Run and model names are single path segments (snaketrl.config.checks.NAME), and the layout (snaketrl.paths)
+# tells each segment apart: one segment pattern, not a thousand-name alternation that Snakemake would rewrite
+# into the output patterns of every job (seconds per dry run).
 wildcard_constraints:
-    run=_one_of(RUNS),
-    model=_one_of(config["models"]),
+    run="[^/]+",
+    model="[^/]+",
     dataset=_alternatives(config["datasets"]),
     trainer=_alternatives(REGISTRY),
 
@@ -180,21 +172,8 @@ LENGTH_BATCHES = _first_run_batches()
 def length_settings(wildcards):
     """How the histogram chooses max_length and the batching, and the batch size its efficiency estimates
     assume: that of the first run (by name) sharing these lengths."""
-    key = (wildcards.trainer, wildcards.dataset, wildcards.model)
-    return canonical(
-        {
-            **{k: v for k, v in config["length"].items() if k != "batching"},
-            "trainer": wildcards.trainer,
-            "layout": REGISTRY[wildcards.trainer].layout,
-            "batch_size": LENGTH_BATCHES.get(key, 8),
-            "seed": config["seed"],
-            "batching": batching_of(config, wildcards.trainer),
-            "attn_implementation": config["models"][wildcards.model].get(
-                "attn_implementation"
-            ),
-            **chat_of(wildcards),
-        }
-    )
+    t, d, m = wildcards.trainer, wildcards.dataset, wildcards.model
+    return resolve.length_settings(config, t, d, m, LENGTH_BATCHES.get((t, d, m), 8))
 
 
 def train_priority(wildcards):

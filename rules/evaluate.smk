@@ -12,7 +12,7 @@ rule evaluate:
     benchmark:
         paths.benchmark("evaluate", "{evaluated}")
     wildcard_constraints:
-        evaluated=_one_of(EVAL_TARGETS),
+        evaluated="[^/]+",  # run and base names: one path segment each
     conda:
         "../envs/train.yaml"
     # A tiny model's job takes one thread (it gains nothing from two, and loses much when the cores are shared).

@@ -57,3 +57,9 @@ def close_match(name: str, known) -> str:
     """` (did you mean 'x'?)` for the closest of `known`, or "": for messages that go on after the name."""
     hint = did_you_mean(name, known)
     return f" ({hint[2:]})" if hint else ""
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    """A message as the console shows it: one line, cut to `limit` characters."""
+    text = re.sub(r"\s*\n\s*", " ", text.strip())
+    return text[: limit - 3] + "..." if limit and len(text) > limit else text

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
-from snaketrl.errors import SnaketrlError
+from snaketrl.errors import SnaketrlError, one_line
 
 # An internal error's message can be a page (a tensor repr, a config dump); the log has all of it.
 MAX_INTERNAL_MESSAGE = 300
@@ -28,10 +27,10 @@ def logged(snakemake, offline: bool = True):
         try:
             yield
         except SnaketrlError as err:
-            _fail(snakemake.rule, _one_line(str(err)), log)
+            _fail(snakemake.rule, one_line(str(err)), log)
         except Exception as err:  # a bug, not bad input: say so, and where the details are
             traceback.print_exc(file=log)
-            message = _one_line(f"{type(err).__name__}: {err}", MAX_INTERNAL_MESSAGE)
+            message = one_line(f"{type(err).__name__}: {err}", MAX_INTERNAL_MESSAGE)
             _fail(snakemake.rule, f"internal error: {message} (full traceback in {log_path})", log)
 
 
@@ -50,11 +49,6 @@ def _fail(rule: str, message: str, log) -> None:
     print(line, file=log)
     print(line, file=sys.__stderr__, flush=True)
     raise SystemExit(1) from None
-
-
-def _one_line(text: str, limit: int | None = None) -> str:
-    text = re.sub(r"\s*\n\s*", " ", text.strip())
-    return text[: limit - 3] + "..." if limit and len(text) > limit else text
 
 
 @contextmanager

@@ -32,7 +32,7 @@ class Trainer:
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
-    batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.data.lengths.STRATEGIES)
+    batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.data.lengths.STRATEGY_ARGS)
     batching_note: str = ""  # why it has no other strategy: the histogram JSON and the report say so
     # Examples TRL drops instead of truncating: "long" (longer than max_length), "long_prompt" (a prompt alone
     # fills max_length, leaving no completion token to learn from; unpacked only).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from snaketrl.config import check
+from snaketrl.config import resolve_runs
 from snaketrl.io import read_jsonl, write_json, write_jsonl
 from snaketrl.trainers import REGISTRY
 
@@ -113,7 +113,7 @@ def first_training_ids(trainer: str, model_name: str, model_entry: dict, model_d
     from snaketrl.models.tokenizer import prepare_tokenizer
     from snaketrl.train.run import train_run
 
-    run = check(config_for(model_name, model_entry, trainer, steps))["run"]
+    run = resolve_runs(config_for(model_name, model_entry, trainer, steps))["run"]
     assert run.get("chat", False) is chat
     work.mkdir(parents=True, exist_ok=True)
     rows = [ROWS[trainer]]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import ConfigError, check
+from snaketrl.config import ConfigError, resolve_runs
 from snaketrl.data.lengths import (PAIR_GROUPING, STRATEGY_ARGS, VARLEN_ATTENTION, batch_efficiency, choose_batching,
                                    length_stats, row_groups, sequence_lengths, split_efficiency)
 from snaketrl.data.preprocess import preprocess
@@ -307,7 +307,7 @@ def test_varlen_attention_matches_trl():
 def test_impossible_batching_fails_at_parse_time(config, batching, message):
     config["length"]["batching"] = batching
     with pytest.raises(ConfigError, match=message):
-        check(config)
+        resolve_runs(config)
 
 
 def test_batching_fields_belong_to_the_length_stage(config):
@@ -315,16 +315,16 @@ def test_batching_fields_belong_to_the_length_stage(config):
     with pytest.raises(ConfigError, match=r"^config: trainers.dpo.args.train_sampling_strategy: set by the length "
                                           r"stage's batching choice \(length.batching: auto, padded, grouped, "
                                           r"packed\); remove it$"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_padding_free_only_where_trl_applies_it(config):
     config["trainers"]["sft"]["args"] = {"padding_free": True}
     with pytest.raises(ConfigError, match=r"padding_free: TRL 1.12 needs packing with it when max_length is set"):
-        check(config)
+        resolve_runs(config)
     config["length"]["batching"] = {"sft": "packed"}
-    runs = check(config)
+    runs = resolve_runs(config)
     assert runs["sft-qwen2-tiny"]["args"]["padding_free"] is True
     config["trainers"]["dpo"]["args"]["padding_free"] = True
     with pytest.raises(ConfigError, match=r"run dpo-qwen2-tiny\): padding_free: TRL 1.12 applies it only in SFT"):
-        check(config)
+        resolve_runs(config)

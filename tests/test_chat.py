@@ -6,7 +6,7 @@ template, `chat: true`; tests/test_real.py does the same on SmolLM2-135M-Instruc
 import pytest
 from first_tokens import decoded, first_eval_prompt_ids, first_training_ids
 
-from snaketrl.config import chat_model, chat_prompts, check
+from snaketrl.config import chat_model, chat_prompts, resolve_runs
 from snaketrl.data.chat import as_chat, chat_rows, hh_turns
 from snaketrl.errors import ConfigError
 
@@ -54,12 +54,12 @@ def test_chat_is_decided_per_model_and_dataset_from_the_config():
 
 def test_default_runs_keep_plain_prompts_and_their_params(config):
     """The tiny default is no chat model: its runs' params carry no chat key (nothing of it reruns)."""
-    assert not any("chat" in run for run in check(config).values())
+    assert not any("chat" in run for run in resolve_runs(config).values())
     config["models"]["qwen2-tiny"]["chat"] = True
-    runs = check(config)
+    runs = resolve_runs(config)
     assert runs["sft-qwen2-tiny"]["chat"] is True and "chat" not in runs["sft-pythia-tiny"]
     config["datasets"]["tldr"]["chat"] = False
-    assert "chat" not in check(config)["sft-qwen2-tiny"]
+    assert "chat" not in resolve_runs(config)["sft-qwen2-tiny"]
 
 
 def test_a_chat_model_without_a_template_is_named(tiny_model_dir):
@@ -156,7 +156,7 @@ def test_eval_jobs_of_a_chat_model_read_chats(config):
     config["matrix"]["models"].append("smol")
 
     def targets():
-        runs = check(config)
+        runs = resolve_runs(config)
         return eval_targets(check_evaluation(config["evaluation"], runs, config["datasets"]), runs)
 
     got = targets()

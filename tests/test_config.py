@@ -3,13 +3,13 @@ import copy
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import ConfigError, check, expand_runs, lora_args, trl_args, validate
+from snaketrl.config import ConfigError, expand_runs, lora_args, resolve_runs, trl_args, validate
 
 SCHEMA = str(ROOT / "config" / "schema.yaml")
 
 
 def test_default_expands_to_trainer_by_model_matrix(config):
-    runs = check(config)
+    runs = resolve_runs(config)
     assert sorted(runs) == [f"{t}-{m}" for t in ("dpo", "grpo", "ppo", "reward", "sft")
                             for m in ("pythia-tiny", "qwen2-tiny")]
     dpo = runs["dpo-qwen2-tiny"]
@@ -31,7 +31,7 @@ def test_resolved_runs_do_not_depend_on_key_order(config):
     def reverse(value):
         return {k: reverse(value[k]) for k in reversed(list(value))} if isinstance(value, dict) else value
 
-    a, b = check(config), check(reverse(copy.deepcopy(config)))
+    a, b = resolve_runs(config), resolve_runs(reverse(copy.deepcopy(config)))
     assert repr(a) == repr(b)  # Snakemake compares params by repr
     assert all(json.dumps(run) == json.dumps(run, sort_keys=True) for run in a.values())
 
@@ -58,26 +58,26 @@ def test_model_needs_hub_or_tiny(config):
 def test_unknown_trainer(config):
     config["trainers"]["ppx"] = {"dataset": "tldr"}
     with pytest.raises(ConfigError, match=r"^config: trainers.ppx: unknown trainer; expected one of \['dpo', 'grpo'"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_unknown_model_in_run(config):
     config["runs"]["extra"] = {"trainer": "sft", "model": "llama-huge"}
     with pytest.raises(ConfigError, match=r"runs.extra.model: unknown model 'llama-huge'; expected one of "
                                           r"\['pythia-tiny', 'qwen2-tiny'\]"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_unknown_model_in_matrix(config):
     config["matrix"]["models"].append("gpt-7")
     with pytest.raises(ConfigError, match=r"^config: matrix.models: unknown model 'gpt-7'; expected one of"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_unknown_dataset_in_run(config):
     config["runs"]["sft-qwen2-tiny"] = {"dataset": "wikitext", "args": {}}
     with pytest.raises(ConfigError, match=r"runs.sft-qwen2-tiny.dataset: unknown dataset 'wikitext'"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_run_overrides_merge_over_matrix(config):
@@ -101,19 +101,19 @@ def test_max_tokens_is_a_runs_and_refused_beside_max_steps_or_for_a_generating_t
     config["training"].pop("max_steps", None)
     config["trainers"]["sft"]["max_tokens"] = 4000
     config["runs"]["dpo-qwen2-tiny"] = {"max_tokens": 2000}
-    runs = check(copy.deepcopy(config))
+    runs = resolve_runs(copy.deepcopy(config))
     assert runs["sft-qwen2-tiny"]["max_tokens"] == 4000 and runs["dpo-qwen2-tiny"]["max_tokens"] == 2000
     assert "max_tokens" not in runs["reward-qwen2-tiny"]  # absent where unset: its params stay as they were
     config["trainers"]["sft"]["args"]["max_steps"] = 5
     with pytest.raises(ConfigError, match=r"^config: trainers.sft.max_tokens \(run sft-qwen2-tiny\): max_tokens sets "
                                           r"max_steps; the run also sets args.max_steps: keep one$"):
-        check(copy.deepcopy(config))
+        resolve_runs(copy.deepcopy(config))
     del config["trainers"]["sft"]["args"]["max_steps"]
     config["runs"]["grpo-qwen2-tiny"] = {"max_tokens": 2000}
     with pytest.raises(ConfigError, match=r"^config: runs.grpo-qwen2-tiny.max_tokens \(run grpo-qwen2-tiny\): grpo "
                                           r"generates its completions, so its tokens per step are not known before "
                                           r"training; bound it with args.max_steps$"):
-        check(copy.deepcopy(config))
+        resolve_runs(copy.deepcopy(config))
     config["runs"]["grpo-qwen2-tiny"] = {"max_tokens": "lots"}
     with pytest.raises(Exception, match="'lots' is not of type 'integer', 'null'"):
         validate(config, str(ROOT / "config" / "schema.yaml"))
@@ -122,7 +122,7 @@ def test_max_tokens_is_a_runs_and_refused_beside_max_steps_or_for_a_generating_t
 def test_no_runs_is_an_error(config):
     config["matrix"] = {"trainers": [], "models": []}
     with pytest.raises(ConfigError, match="no runs"):
-        check(copy.deepcopy(config))
+        resolve_runs(copy.deepcopy(config))
 
 
 def test_grpo_batch_not_divisible_by_num_generations(config):
@@ -130,14 +130,14 @@ def test_grpo_batch_not_divisible_by_num_generations(config):
     with pytest.raises(ConfigError, match=r"matrix \(run grpo-qwen2-tiny\): generation batch 16 \("
                                           r"per_device_train_batch_size x steps_per_generation\) is not divisible "
                                           r"by num_generations=3"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_grpo_eval_batch_checked_when_evaluating(config):
     config["trainers"]["grpo"]["args"].update(eval_strategy="steps", num_generations=8)
     config["training"]["per_device_eval_batch_size"] = 12
     with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=12 is not divisible by num_generations=8"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_generation_defaults_match_installed_trl():
@@ -156,21 +156,21 @@ def test_generation_defaults_match_installed_trl():
 def test_wrong_reward_function_name(config):
     config["trainers"]["grpo"]["reward_funcs"] = ["unique_chars", "lenght"]
     with pytest.raises(ConfigError, match=r"reward_funcs: unknown reward function 'lenght'"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_ppo_reward_model_must_be_a_reward_run(config):
     config["trainers"]["ppo"]["reward_model"] = "sft-{model}"
     with pytest.raises(ConfigError, match=r"^config: trainers.ppo.reward_model \(run ppo-qwen2-tiny\): run "
                                           r"'sft-qwen2-tiny' trains 'sft', not a reward model$"):
-        check(config)
+        resolve_runs(config)
     config["trainers"]["ppo"]["reward_model"] = None
     with pytest.raises(ConfigError, match=r"ppo needs a reward_model"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_ppo_runs_point_at_their_models_reward_run(config):
-    runs = check(config)
+    runs = resolve_runs(config)
     assert runs["ppo-pythia-tiny"]["reward_model"] == "reward-pythia-tiny"
     assert runs["grpo-qwen2-tiny"]["reward_funcs"] == ["keyword"]
 
@@ -178,7 +178,7 @@ def test_ppo_runs_point_at_their_models_reward_run(config):
 def test_tokens_in_config_are_refused(config):
     config["training"]["hub_token"] = "hf_x"
     with pytest.raises(ConfigError, match=r"^config: training.hub_token: secrets do not belong in config; set HF_TOKEN"):
-        check(config)
+        resolve_runs(config)
 
 
 def test_workflow_paths_are_found_where_the_workflow_is_and_params_keep_them_as_written(config, tmp_path,
@@ -195,9 +195,9 @@ def test_workflow_paths_are_found_where_the_workflow_is_and_params_keep_them_as_
 
     shipped = partial(os.path.join, str(ROOT))
     config["models"]["qwen2-tiny"]["tiny"]["corpus"] = ["tldr", "workflow:data/samples/firefly.jsonl"]
-    at_root = check(config, shipped)
+    at_root = resolve_runs(config, shipped)
     monkeypatch.chdir(tmp_path)  # a user's directory: no data/ here
-    assert repr(check(config, shipped)) == repr(at_root)
+    assert repr(resolve_runs(config, shipped)) == repr(at_root)
     assert at_root["sft-qwen2-tiny"]["dataset_entry"]["files"] == "workflow:data/samples/tldr.jsonl"
     assert local_files(config["datasets"]["tldr"], shipped) == {"train": f"{ROOT}/data/samples/tldr.jsonl"}
     assert corpus_files(config, "qwen2-tiny", shipped) == [paths.raw("tldr", "train"),
@@ -207,4 +207,4 @@ def test_workflow_paths_are_found_where_the_workflow_is_and_params_keep_them_as_
     with pytest.raises(ConfigError, match=r"^config: datasets.descriptiveness.files: train file workflow:data/samples/"
                                           r"descriptiveness.jsonl does not exist in the workflow "
                                           rf"\({tmp_path}/data/samples/descriptiveness.jsonl\)$"):
-        check(config, partial(os.path.join, str(tmp_path)))
+        resolve_runs(config, partial(os.path.join, str(tmp_path)))

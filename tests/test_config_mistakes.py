@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from snaketrl.config import check, validate, yaml_mistake
+from snaketrl.config import resolve_runs, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation
 from snaketrl.errors import ConfigError
 
@@ -23,7 +23,7 @@ def parse(change) -> dict:
     config = copy.deepcopy(DEFAULT)
     change(config)
     validate(config, str(ROOT / "config" / "schema.yaml"))
-    runs = check(config, SHIPPED)
+    runs = resolve_runs(config, SHIPPED)
     check_evaluation(config.get("evaluation"), runs, config["datasets"], SHIPPED)
     return runs
 
@@ -128,6 +128,13 @@ MISTAKES = {
                              "config: trainers.grpo.reward_funcs: 'snaketrl.rewards:unique_char': module "
                              f"'snaketrl.rewards' ({ROOT}/snaketrl/rewards.py) defines no 'unique_char'; did you mean "
                              "'unique_chars'?"),
+    # Names that become folders under results/: one path segment (a '/' or '..' would write elsewhere).
+    "model name with a slash": (lambda c: c["models"].update({"org/tiny": c["models"]["qwen2-tiny"]}),
+                                "config: models.org/tiny: a model name names folders under results/; it may hold only "
+                                "letters, digits, '_', '.', '~', '+', '-', starting with a letter or digit"),
+    "dataset name climbing out": (lambda c: c["datasets"].update({"../up": c["datasets"]["tldr"]}),
+                                  "config: datasets.../up: a dataset name names folders under results/; it may hold "
+                                  "only letters, digits, '_', '.', '~', '+', '-', starting with a letter or digit"),
     "file of a corpus dataset": (lambda c: c["datasets"]["firefly"].update(files="data/nope.jsonl"),
                                  "config: datasets.firefly.files: train file data/nope.jsonl does not exist (relative "
                                  f"paths are read from the working directory, {ROOT})"),

@@ -15,7 +15,7 @@ import snakemake_cli
 import yaml
 
 from conftest import ROOT
-from snaketrl.config import check, validate
+from snaketrl.config import resolve_runs, validate
 from snaketrl.errors import ConfigError
 from snaketrl.train import distributed
 
@@ -92,7 +92,7 @@ def test_the_process_count_is_the_jobs_gpu_or_gres_count(resources, gpus):
 
 def _revalidated(config):
     validate(config, SCHEMA)
-    return check(config)
+    return resolve_runs(config)
 
 
 def test_a_run_inherits_its_trainers_mode_and_may_override_it(config):
@@ -141,8 +141,8 @@ def test_a_missing_accelerate_config_is_a_parse_time_error(config, tmp_path):
     validate(config, SCHEMA)
     with pytest.raises(ConfigError, match=rf"^config: runs\.sft-qwen2-tiny\.distributed: fsdp launches with "
                                           rf"{tmp_path}/config/accelerate/fsdp\.yaml, which does not exist$"):
-        check(config, partial(os.path.join, str(tmp_path)))
-    assert check(config, partial(os.path.join, str(ROOT)))["sft-qwen2-tiny"]["distributed"] == "fsdp"
+        resolve_runs(config, partial(os.path.join, str(tmp_path)))
+    assert resolve_runs(config, partial(os.path.join, str(ROOT)))["sft-qwen2-tiny"]["distributed"] == "fsdp"
 
 
 @pytest.mark.parametrize("bf16,storage,compute", [(True, "bfloat16", "bfloat16"), (False, "float32", "float16")])
@@ -298,7 +298,7 @@ def test_modes_that_cannot_run_on_cpus_are_refused_at_parse_time(config):
                                           r"\(trainers\.sft\.processes: 2; the train rule's resources give no GPU\)"):
         _revalidated(config)
     validate(config, SCHEMA)
-    assert check(config, gpus=2)["sft-qwen2-tiny"]["distributed"] == "fsdp"  # the profile gives train 2 GPUs
+    assert resolve_runs(config, gpus=2)["sft-qwen2-tiny"]["distributed"] == "fsdp"  # the profile gives train 2 GPUs
     config["trainers"]["sft"]["distributed"] = "zero3"
     assert _revalidated(config)["sft-qwen2-tiny"]["processes"] == 2
 
@@ -308,11 +308,11 @@ def test_a_process_count_that_contradicts_the_gpus_or_the_quantization_is_refuse
     validate(config, SCHEMA)
     with pytest.raises(ConfigError, match=r"^config: runs\.sft-qwen2-tiny\.processes: 2 sets a CPU job's process "
                                           r"count; the train rule's resources give 4 GPU\(s\)"):
-        check(config, gpus=4)
+        resolve_runs(config, gpus=4)
     config["models"]["qwen2-tiny"]["quantization"] = "4bit"
     with pytest.raises(ConfigError, match=r"^config: runs\.sft-qwen2-tiny\.processes: run 'sft-qwen2-tiny' trains "
                                           r"in 2 CPU processes .* models\.qwen2-tiny\.quantization: 4bit"):
-        check(config)
+        resolve_runs(config)
 
 
 @pytest.mark.parametrize("raw,gpus", [({}, 0), ({"gpu": 4}, 4), ({"gres": "'gpu:a100:2'"}, 2),

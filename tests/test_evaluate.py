@@ -34,7 +34,7 @@ SETTINGS = {
 
 
 def _runs():
-    """Resolved runs as snaketrl.config.check returns them (only the keys evaluation reads)."""
+    """Resolved runs as snaketrl.config.resolve_runs returns them (only the keys evaluation reads)."""
     def run(trainer, model, policy=None):
         return {"trainer": trainer, "model": model, "policy": policy, "seed": 42}
 

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from snaketrl.config import check
+from snaketrl.config import resolve_runs
 from snaketrl.errors import ConfigError, HubUnreachable
 from snaketrl.models import gguf
 
@@ -37,13 +37,13 @@ def with_model(config, entry):
 ])
 def test_gguf_sources_are_checked_at_parse_time(config, entry, message):
     with pytest.raises(ConfigError, match=f"^config: {message}"):
-        check(with_model(config, entry))
+        resolve_runs(with_model(config, entry))
 
 
 def test_gguf_model_is_a_chat_model_with_its_source_in_params(config, tmp_path):
     from snaketrl.config import gguf_file
 
-    runs = check(with_model(config, SMOL))
+    runs = resolve_runs(with_model(config, SMOL))
     assert runs["sft-smol"]["chat"] is True and runs["sft-smol"]["model_entry"]["gguf"] == SMOL
     assert "chat" not in runs["sft-qwen2-tiny"]
     (tmp_path / "m.gguf").write_bytes(b"GGUF")

@@ -116,7 +116,7 @@ def test_killed_anywhere_full_disk_and_forced_rerun_give_the_uninterrupted_resul
         full_disk_at(m, 3 if ppo else 4)
         with pytest.raises(DiskFull, match=rf"^run 't-{trainer}': no space left on device for checkpoint "
                                            rf"{ckpt}/checkpoint-{3 if ppo else 4}: it needs "
-                                           rf"{need} \d+\.\d [KMG]iB \({basis}\), \d+\.\d [KMG]iB free there; "
+                                           rf"{need} [\d,.]+ [KMG]iB \({basis}\), [\d,.]+ [KMG]iB free there; "
                                            rf"free some space and rerun: it resumes from {start}$") as full:
             train_run(**job)
     assert not (ckpt / f"checkpoint-{3 if ppo else 4}").exists()  # nothing half-written stays

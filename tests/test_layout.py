@@ -90,3 +90,23 @@ def test_collecting_the_tests_imports_no_training_library():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore belongs to its module: another module that needs it needs a public one."""
+    crossing = [f"{module_name(path)} imports {node.module}.{alias.name}" for path in PACKAGE.rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("snaketrl")
+                for alias in node.names if alias.name.startswith("_")]
+    assert not crossing, crossing
+
+
+def test_a_package_init_only_hands_names_on():
+    """Each package's __init__ is a face: its docstring, imports and __all__; its logic lives in named modules."""
+    logic = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in PACKAGE.rglob("__init__.py")
+             for node in ast.parse(path.read_text()).body
+             if not isinstance(node, (ast.Import, ast.ImportFrom))
+             and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+             and not (isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)]
+                      in (["__all__"], ["__version__"]))]
+    assert not logic, f"logic in a package face: {logic}"

@@ -16,7 +16,7 @@ import yaml
 from test_workflow import env
 
 from snaketrl import paths
-from snaketrl.config import check, validate
+from snaketrl.config import resolve_runs, validate
 from snaketrl.config.evaluation import check_evaluation, eval_job_inputs, eval_targets
 from snaketrl.trainers import REGISTRY
 
@@ -30,7 +30,7 @@ def load_config(workdir):
 def resolved(cfg):
     cfg = copy.deepcopy(cfg)
     validate(cfg, SCHEMA)
-    return cfg, check(cfg)
+    return cfg, resolve_runs(cfg)
 
 
 def evaluation(cfg, runs):

@@ -92,7 +92,7 @@ def test_training_uses_it_and_measures_the_estimate(config, tiny_model_dir, tmp_
     from conftest import ROOT
     from transformers import TrainerCallback
 
-    from snaketrl.config import check
+    from snaketrl.config import resolve_runs
     from snaketrl.data.lengths import histogram
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import read_jsonl, write_jsonl
@@ -119,7 +119,7 @@ def test_training_uses_it_and_measures_the_estimate(config, tiny_model_dir, tmp_
     seen = Seen()
     config["training"].update({"num_train_epochs": 1, "max_steps": -1, "logging_steps": 1, "eval_strategy": "no",
                                "save_strategy": "no"})
-    run = check(config)["sft-qwen2-tiny"]
+    run = resolve_runs(config)["sft-qwen2-tiny"]
     metrics = train_run(run, model_dir=tiny_model_dir, train_file=tmp_path / "train.jsonl",
                         eval_file=tmp_path / "eval.jsonl", lengths_file=tmp_path / "lengths.json",
                         out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", callbacks=[seen])

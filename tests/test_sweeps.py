@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import ConfigError, check, validate
+from snaketrl.config import ConfigError, resolve_runs, validate
 from snaketrl.config.evaluation import check_evaluation
 
 SCHEMA = str(ROOT / "config" / "schema.yaml")
@@ -23,7 +23,7 @@ def swept(config, sweeps, **top):
 
 
 def test_each_run_becomes_one_run_per_combination_named_by_its_values(config):
-    runs = check(swept(config, ISSUE))
+    runs = resolve_runs(swept(config, ISSUE))
     dpo = sorted(n for n in runs if n.startswith("dpo-qwen2-tiny"))
     assert dpo == [f"dpo-qwen2-tiny-beta~{b}_learning_rate~{lr}" for b in ("0.05", "0.1", "0.5")
                    for lr in ("1e-05", "5e-05")]
@@ -34,16 +34,16 @@ def test_each_run_becomes_one_run_per_combination_named_by_its_values(config):
     assert (run["sweep"], run["swept"], run["group"]) == ("dpo-qwen2-tiny", {"beta": 0.5, "learning_rate": 1e-05},
                                                           "dpo-qwen2-tiny-beta~0.5_learning_rate~1e-05")
     # Runs of other trainers are untouched, to the byte: their jobs do not rerun.
-    assert repr(runs["sft-qwen2-tiny"]) == repr(check(config)["sft-qwen2-tiny"])
+    assert repr(runs["sft-qwen2-tiny"]) == repr(resolve_runs(config)["sft-qwen2-tiny"])
 
 
 def test_names_do_not_depend_on_key_order_and_survive_an_added_value(config):
-    before = check(swept(config, ISSUE))
+    before = resolve_runs(swept(config, ISSUE))
     reordered = {"dpo": dict(reversed(list(ISSUE["dpo"].items())))}
-    assert repr(check(swept(config, reordered))) == repr(before)
+    assert repr(resolve_runs(swept(config, reordered))) == repr(before)
     more = copy.deepcopy(ISSUE)
     more["dpo"]["beta"].append(1)
-    after = check(swept(config, more))
+    after = resolve_runs(swept(config, more))
     assert set(after) - set(before) == {f"dpo-{m}-beta~1_learning_rate~{lr}" for m in MODELS
                                         for lr in ("1e-05", "5e-05")}
     assert all(repr(after[n]) == repr(run) for n, run in before.items())
@@ -51,7 +51,7 @@ def test_names_do_not_depend_on_key_order_and_survive_an_added_value(config):
 
 
 def test_sweep_composes_with_seeds(config):
-    runs = check(swept(config, {"dpo": {"beta": [0.05, 0.5]}}, seeds=[1, 2]))
+    runs = resolve_runs(swept(config, {"dpo": {"beta": [0.05, 0.5]}}, seeds=[1, 2]))
     name = "dpo-qwen2-tiny-beta~0.05"
     assert {n: (r["seed"], r["group"]) for n, r in runs.items() if n.startswith(name)} == {
         f"{name}-seed1": (1, name), f"{name}-seed2": (2, name)}
@@ -60,7 +60,7 @@ def test_sweep_composes_with_seeds(config):
 def test_references_keep_the_unswept_run(config):
     config = swept(config, {"sft": {"learning_rate": [1e-3, 1e-2]}, "reward": {"learning_rate": [1e-3]}},
                    seeds=[7])
-    runs = check(config)
+    runs = resolve_runs(config)
     # PPO and GRPO start from SFT and PPO is judged by the reward run: those stay, with their own settings.
     assert runs["ppo-qwen2-tiny-seed7"]["policy"] == "sft-qwen2-tiny-seed7"
     assert runs["ppo-qwen2-tiny-seed7"]["reward_model"] == "reward-qwen2-tiny-seed7"
@@ -75,14 +75,14 @@ def test_references_keep_the_unswept_run(config):
 def test_a_reference_may_name_one_combination(config):
     for trainer in ("grpo", "ppo"):
         config["trainers"][trainer]["policy"] = "sft-{model}-learning_rate~0.01"
-    runs = check(swept(config, {"sft": {"learning_rate": [1e-3, 1e-2]}}))
+    runs = resolve_runs(swept(config, {"sft": {"learning_rate": [1e-3, 1e-2]}}))
     assert runs["grpo-pythia-tiny"]["policy"] == "sft-pythia-tiny-learning_rate~0.01"
     assert "sft-pythia-tiny" not in runs  # nothing names it any more: it is swept like any other run
 
 
 def test_evaluation_runs_may_name_a_swept_run(config):
     config = swept(config, ISSUE)
-    runs = check(config)
+    runs = resolve_runs(config)
     ev = check_evaluation({**config["evaluation"], "runs": ["dpo-pythia-tiny"]}, runs, config["datasets"])
     assert ev["runs"] == sorted(n for n in runs if n.startswith("dpo-pythia-tiny-"))
     assert len(ev["runs"]) == 6
@@ -107,14 +107,14 @@ def test_evaluation_runs_may_name_a_swept_run(config):
 ])
 def test_bad_sweep_is_one_line_at_parse_time(config, sweeps, message):
     with pytest.raises(ConfigError) as err:
-        check(swept(config, sweeps))
+        resolve_runs(swept(config, sweeps))
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
 def test_a_run_that_sets_a_swept_key_itself_is_an_error(config):
     config["runs"]["dpo-qwen2-tiny"] = {"args": {"beta": 0.3}}
     with pytest.raises(ConfigError, match=r"^config: runs.dpo-qwen2-tiny.args.beta: also swept by sweeps.dpo.beta"):
-        check(swept(config, ISSUE))
+        resolve_runs(swept(config, ISSUE))
 
 
 def test_dry_run_adds_one_runs_jobs_per_combination_and_model(tmp_path):

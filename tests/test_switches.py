@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from snaketrl.config import ConfigError, check
-from snaketrl.train.fields import init_fields
+from snaketrl.config import ConfigError, resolve_runs
+from snaketrl.config.fields import init_fields
 from snaketrl.trainers import REGISTRY
 from test_trainers import prepare
 
@@ -152,7 +152,7 @@ def test_switches_that_cannot_work_are_refused_at_parse_time(config, trainer, ar
     config["models"]["qwen2-tiny"].update(entry)
     config["trainers"][trainer].setdefault("args", {}).update(args)
     with pytest.raises(ConfigError, match=rf"^config: matrix \(run {trainer}-qwen2-tiny\): {message}"):
-        check(config)
+        resolve_runs(config)
 
 
 # --- The length stage chooses for the device a run trains on -------------------------------------------
@@ -191,23 +191,20 @@ def test_an_explicit_batching_is_kept_on_every_device():
     assert s["cpu"]["strategy"] == s["cuda"]["strategy"] == "padded"
 
 
-def test_a_histogram_without_this_devices_choice_is_not_read_as_another_devices(tmp_path, config, tiny_model_dir,
-                                                                               monkeypatch):
+def test_a_histogram_without_this_devices_choice_is_not_read_as_another_devices(tmp_path, config, tiny_model_dir):
     """A histogram from before per-device choices holds only the CPU's ('batching'): row groups, which a GPU
-    must not take. A GPU's job names the file and the rerun, before any model loads."""
-    import torch
-
+    must not take. A GPU's plan names the file and the rerun, before any model loads."""
     from snaketrl.errors import TrainingError
-    from snaketrl.train.run import train_run
+    from snaketrl.train.plan import Device, plan_run
 
     inputs = prepare(tmp_path, config, tiny_model_dir, "dpo")
     inputs["lengths_file"].write_text(json.dumps({"max_length": 64, "batching": {
-        "strategy": "grouped", "split_rows": True, "args": {"group_by_length": True}}}))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        "strategy": "grouped", "split_rows": True, "args": {"train_sampling_strategy": "group_by_length"}}}))
+    plan = {key: inputs[key] for key in ("model_dir", "lengths_file", "checkpoint_dir")}
     with pytest.raises(TrainingError, match=r"lengths\.json: no batching choice for cuda, only a CPU's .*"
                                             r"snakemake --forcerun length_histogram$"):
-        train_run(**inputs)
-    assert not (tmp_path / "out").exists()
+        plan_run(inputs["run"], **plan, device=Device("cuda", True, 80 * 2**30))
+    assert plan_run(inputs["run"], **plan, device=Device("cpu", False, 8 * 2**30)).row_groups
 
 
 # --- Activation checkpointing from memory ----------------------------------------------------------------

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import ConfigError, check
+from snaketrl.config import ConfigError, resolve_runs
 from snaketrl.data.lengths import histogram
 from snaketrl.data.preprocess import preprocess
 from snaketrl.io import read_jsonl, write_jsonl
@@ -24,7 +24,7 @@ def _inputs(tmp_path, config, model_dir, trainer, dataset, layout, n_train, keep
     stats = histogram(model_dir, tmp_path / "train.jsonl", settings, tmp_path / "lengths.json",
                       tmp_path / "lengths.png", trainer)
     config["training"].update({"max_steps": 4, "logging_steps": 1, "eval_strategy": "no", "save_steps": 100})
-    run = check(config)[f"{trainer}-qwen2-tiny"]
+    run = resolve_runs(config)[f"{trainer}-qwen2-tiny"]
     return stats, {"run": run, "model_dir": model_dir, "train_file": tmp_path / "train.jsonl",
                    "eval_file": tmp_path / "eval.jsonl", "lengths_file": tmp_path / "lengths.json",
                    "out_dir": tmp_path / "out", "checkpoint_dir": tmp_path / "ckpt"}
@@ -88,7 +88,7 @@ def test_gpu_switches_fail_before_any_model_loads(config, tmp_path, args, entry,
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    run = check(config)["sft-qwen2-tiny"]
+    run = resolve_runs(config)["sft-qwen2-tiny"]
     run = {**run, "args": {**run["args"], **args}, "model_entry": {**run["model_entry"], **entry}}
     (tmp_path / "lengths.json").write_text(json.dumps({"max_length": 64}))
     missing = tmp_path / "no-model"  # loading any model from here would fail with another error

@@ -6,7 +6,7 @@ import learning
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import ConfigError, check
+from snaketrl.config import ConfigError, resolve_runs
 from snaketrl.data.preprocess import preprocess
 from snaketrl.io import read_jsonl, write_jsonl
 from snaketrl.manifest import cpu_model as manifest_cpu_model
@@ -127,7 +127,7 @@ def sft_inputs(tmp_path, config, tiny_model_dir):
     write_jsonl(rows[40:], tmp_path / "eval.jsonl")
     (tmp_path / "lengths.json").write_text(json.dumps({"max_length": 64}))
     config["training"].update({"max_steps": 6, "save_steps": 3, "logging_steps": 1, "eval_steps": 3})
-    runs = check(config)
+    runs = resolve_runs(config)
     return {"run": runs["sft-qwen2-tiny"], "model_dir": tiny_model_dir, "train_file": tmp_path / "train.jsonl", "eval_file": tmp_path / "eval.jsonl",
             "lengths_file": tmp_path / "lengths.json"}
 
@@ -322,6 +322,7 @@ def test_sft_on_a_cpu_takes_its_loss_on_label_tokens_only_to_the_same_losses(tmp
         job["run"]["args"].update(extra)
         # the tiny model's files, as a real model's entry names them
         job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        job["run"]["args"]["bf16"] = False  # fp32: on a CPU with bf16 units bf16's rounding would swamp the check
         metrics = train_run(**job)
         assert metrics["logits_on_labels_only"] is (name == "one-pass")
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
@@ -362,6 +363,7 @@ def test_dpo_on_a_cpu_projects_completions_only_to_the_same_losses(tmp_path, con
                 "remove_unused_columns": False, "length_column_name": "snaketrl_length"}}}}))
         if name == "completions":  # the tiny model's files, as a real model's entry names them
             job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+            job["run"]["args"]["bf16"] = False  # fp32, as the tiny run: on a CPU with bf16 units it would take bf16
         projection = Projection()
         metrics[name] = train_run(**job, callbacks=[projection])
         assert len(projection.widths) == len(projection.projected) > 6

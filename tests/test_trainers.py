@@ -7,7 +7,7 @@ import learning
 import pytest
 
 from conftest import ROOT
-from snaketrl.config import check
+from snaketrl.config import resolve_runs
 from snaketrl.data.lengths import tokenize_prompts
 from snaketrl.data.preprocess import LAYOUTS, preprocess
 from snaketrl.io import read_jsonl, write_jsonl
@@ -57,7 +57,7 @@ def prepare(tmp, config, tiny_model_dir, trainer, **run_extra):
     config["matrix"] = {"trainers": [], "models": []}
     if trainer in ("grpo", "rloo", "online_dpo") and "reward_model" not in run_extra:
         config["trainers"][trainer]["reward_funcs"] = ["unique_chars"]
-    run = check(config)[f"t-{trainer}"]
+    run = resolve_runs(config)[f"t-{trainer}"]
     rows = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:24], dataset=dataset, trainer=trainer,
                       layout=REGISTRY[trainer].layout, columns=columns, split="train").rows
     (tmp / "lengths.json").write_text(json.dumps({"max_length": 64}))

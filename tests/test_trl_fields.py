@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from snaketrl.train.fields import Field, init_field_types, init_fields
+from snaketrl.config.fields import Field, init_field_types, init_fields
 from snaketrl.trainers import REGISTRY, load
 
 
@@ -23,10 +23,10 @@ def test_an_unreadable_class_gives_none_not_a_guess():
 
 
 def test_checking_a_sweep_imports_no_torch():
-    code = ("import sys, yaml; from snakemake.utils import validate; from snaketrl.config import check; "
+    code = ("import sys, yaml; from snakemake.utils import validate; from snaketrl.config import resolve_runs; "
             "c = yaml.safe_load(open('config/config.yaml')); "
             "c['sweeps'] = {'ppo': {'kl_coef': [0.01, 0.1]}, 'dpo': {'beta': [0.1, 0.2]}}; "
-            "validate(c, 'config/schema.yaml'); runs = check(c); assert 'ppo-qwen2-tiny-kl_coef~0.1' in runs; "
+            "validate(c, 'config/schema.yaml'); runs = resolve_runs(c); assert 'ppo-qwen2-tiny-kl_coef~0.1' in runs; "
             "heavy = [m for m in ('torch', 'transformers', 'trl') if m in sys.modules]; assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -64,7 +64,7 @@ def test_static_types_agree_with_the_annotations_and_enums():
 def test_fields_are_read_once_then_from_disk_until_a_source_changes(tmp_path, monkeypatch):
     import json
 
-    from snaketrl.train import fields
+    from snaketrl.config import fields
 
     def fresh():
         for cached in (fields.init_field_types, fields._cache, fields._parsed, fields._spec):
@@ -75,7 +75,7 @@ def test_fields_are_read_once_then_from_disk_until_a_source_changes(tmp_path, mo
     read = fields.init_field_types("trl:DPOConfig")
     stored = json.loads(fields._cache_file().read_text())["trl:DPOConfig"]
     modules = [stamp[0] for stamp in stored["read"]]
-    assert {"snaketrl.train.fields", "trl.trainer.dpo_config", "transformers.training_args",
+    assert {"snaketrl.config.fields", "trl.trainer.dpo_config", "transformers.training_args",
             "transformers.trainer_utils"} <= set(modules)
 
     def no_parsing(module):

@@ -1,9 +1,9 @@
 """TRL and LoRA fields written in the config, checked where they are written: each name against its config
-class (read statically, snaketrl.train.fields), each value against the field's type and, for the counts that
+class (read statically, snaketrl.config.fields), each value against the field's type and, for the counts that
 make a run train nothing, its range. Values are returned as the job needs them: YAML 1.1 reads `1e-4` as the
 string '1e-4' and `no` as false, which a numeric field, or one whose choices hold 'no', takes as meant.
 
-Pure Python (no torch/transformers/trl/peft import): snaketrl.config.check calls this at parse time.
+Pure Python (no torch/transformers/trl/peft import): snaketrl.config.resolve_runs calls this at parse time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 
 from snaketrl.errors import ConfigError, did_you_mean
 from snaketrl.train.args import OWNED
-from snaketrl.train.fields import Field, init_field_types
+from snaketrl.config.fields import Field, init_field_types
 from snaketrl.trainers import REGISTRY
 
 LORA = "peft:LoraConfig"
@@ -194,11 +194,11 @@ def check_lora(section: dict, where: str) -> dict:
     return out
 
 
-def checked(config: dict, runs: dict[str, dict]) -> dict:
+def checked(config: dict, runs: dict[str, dict]) -> tuple[dict, dict[str, dict]]:
     """A copy of the config whose TRL and LoRA fields (`training`, `trainers.<t>.args`, `runs.<r>.args`,
-    `lora`, `models.<m>.lora`) are checked where they are written and hold the values the jobs take.
-    `runs`: expand_runs(config), for the trainer of each `runs` entry and the trainers `training` reaches."""
-    # An unknown trainer of a run is named by check's own loop.
+    `lora`, `models.<m>.lora`) are checked where they are written and hold the values the jobs take, and `runs`
+    (expand_runs(config): the trainer of each `runs` entry, the trainers `training` reaches) with those values."""
+    # An unknown trainer of a run is named by the config check's own loop.
     used = sorted({run["trainer"] for run in runs.values()} & set(REGISTRY))
     out = {**config, "training": check_section(config.get("training") or {}, used, "training")}
     out["trainers"] = {t: {**entry, "args": check_section(entry.get("args") or {}, [t], f"trainers.{t}.args")}
@@ -209,7 +209,9 @@ def checked(config: dict, runs: dict[str, dict]) -> dict:
     out["lora"] = check_lora(config.get("lora") or {}, "lora")
     out["models"] = {m: {**entry, "lora": check_lora(entry.get("lora") or {}, f"models.{m}.lora")}
                      for m, entry in config["models"].items()}
-    return out
+    runs = {name: {**run, "args": {**run["args"], **out["runs"][name]["args"]}} if name in out["runs"] else run
+            for name, run in runs.items()}
+    return out, runs
 
 
 def origin(config: dict, name: str, run: dict, key: str) -> str:

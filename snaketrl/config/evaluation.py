@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from snaketrl import paths
-from snaketrl.config import chat_model, chat_prompts, check_reward_func
+from snaketrl.config.checks import check_reward_func
+from snaketrl.config.resolve import chat_model, chat_prompts
 from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
@@ -51,7 +52,7 @@ def data_trainer(kind: str) -> str:
 
 def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict[str, dict],
                      shipped: Callable[[str], str] | None = None) -> dict | None:
-    """The `evaluation:` section checked against the runs (snaketrl.config.check's result) and the
+    """The `evaluation:` section checked against the runs (snaketrl.config.resolve_runs's result) and the
     datasets (config["datasets"]), with defaults filled. None when there is no section. `shipped`: where the
     workflow's own files are (paths.from_config), to read the first row of a `workflow:` dataset file.
     Raises a one-line ConfigError naming the key."""
@@ -155,7 +156,7 @@ def _check_kind(ev: dict, kind: str, datasets: dict, where: str, shipped=None) -
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ConfigError(f"{where}.{kind}.size: expected a positive integer or null, got {size!r}")
     entry["trainer"] = data_trainer(kind)
-    if "chat" in datasets[name]:  # only where set: eval_targets decides per model (snaketrl.config.chat_prompts)
+    if "chat" in datasets[name]:  # only where set: eval_targets decides per model (snaketrl.config.resolve.chat_prompts)
         entry["chat"] = datasets[name]["chat"]
     present = _first_row_columns(datasets[name], shipped)
     if present is None:  # a Hub dataset or a non-JSONL file: the eval job checks its rows

@@ -2,7 +2,7 @@
 run per combination (snaketrl.report.sweeps reads them back).
 
 Pure Python (pandas and Snakemake's Paramspace, no torch/transformers/trl): the Snakefile runs it at
-parse time through snaketrl.config.check.
+parse time through snaketrl.config.resolve_runs.
 """
 
 from __future__ import annotations

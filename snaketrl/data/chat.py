@@ -1,6 +1,6 @@
 """Prompts as chat turns for chat models: TRL renders conversational rows with the tokenizer's chat template.
 
-Which rows become chats is decided per (model, dataset) when the config is read (snaketrl.config.chat_prompts):
+Which rows become chats is decided per (model, dataset) when the config is read (snaketrl.config.resolve.chat_prompts):
 preprocessing is shared by every model, so the conversion happens where the model is known, the same way in
 each place that tokenizes a row (the length histogram, PPO's prompt tokenization, training, evaluation).
 """
@@ -61,7 +61,7 @@ def require_template(tokenizer, rows: list[dict], chat: bool, *, model: str, dat
 
 
 def chat_rows(rows: list[dict], chat: bool, tokenizer, *, model: str, dataset: str, where: str) -> list[dict]:
-    """`rows` as model `model` reads them: chat turns where the config says so (`chat`: snaketrl.config.chat_prompts),
+    """`rows` as model `model` reads them: chat turns where the config says so (`chat`: snaketrl.config.resolve.chat_prompts),
     and a template to render them."""
     require_template(tokenizer, rows, chat, model=model, dataset=dataset, where=where)
     return as_chat(rows) if chat else rows

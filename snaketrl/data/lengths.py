@@ -14,7 +14,7 @@ from snaketrl.trainers import REGISTRY
 PERCENTILES = (50, 90, 95, 99, 100)
 
 
-def _texts(tokenizer, prompts, completions):
+def example_texts(tokenizer, prompts, completions):
     """prompt+completion as one string per example: rendered by the chat template when conversational,
     else concatenated with the eos TRL appends to plain-text completions."""
     if is_conversational(prompts[0] if prompts else completions[0]):
@@ -55,7 +55,7 @@ def sequence_lengths(rows: list[dict], tokenizer, layout: str) -> np.ndarray:
                           False)
         if "text" in rows[0]:
             return _count(tokenizer, [r["text"] + tokenizer.eos_token for r in rows], True)
-        texts, special = _texts(tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+        texts, special = example_texts(tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
         return _count(tokenizer, texts, special)
     if layout == "prompt":
         texts, special = prompt_texts(tokenizer, [r["prompt"] for r in rows])
@@ -74,8 +74,8 @@ def prompt_lengths(rows: list[dict], tokenizer) -> np.ndarray | None:
 def pair_lengths(rows: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of prompt+chosen and of prompt+rejected per preference pair."""
     prompts = [r["prompt"] for r in rows]
-    chosen, special = _texts(tokenizer, prompts, [r["chosen"] for r in rows])
-    rejected, _ = _texts(tokenizer, prompts, [r["rejected"] for r in rows])
+    chosen, special = example_texts(tokenizer, prompts, [r["chosen"] for r in rows])
+    rejected, _ = example_texts(tokenizer, prompts, [r["rejected"] for r in rows])
     return _count(tokenizer, chosen, special), _count(tokenizer, rejected, special)
 
 
@@ -220,7 +220,7 @@ def choose_batching(trainer: str, requested: str, attention: str | None, efficie
                   f"would gain less than {MIN_GAIN:.0%}")
     else:
         strategy = "grouped"
-        reason = "batches grouped by length (snaketrl.sampler, batch order shuffled) pad only to their neighbours"
+        reason = "batches grouped by length (snaketrl.train.sampler, batch order shuffled) pad only to their neighbours"
         if "packed" in options:
             reason += (f"; packing would be exact but flattens each batch into one sequence, and with "
                        f"{attention or 'the default (sdpa)'} attention that sequence's attention cost grows with "

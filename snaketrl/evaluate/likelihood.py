@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from snaketrl.data.lengths import _texts, prompt_texts
+from snaketrl.data.lengths import example_texts, prompt_texts
 from snaketrl.evaluate.generation import Generated
 from snaketrl.evaluate.loading import Loaded, max_positions
 
@@ -21,7 +21,7 @@ def encode_pairs(tokenizer, prompts, completions) -> list[tuple[list[int], list[
     gets the eos SFT appends); the completion is what follows the prompt's tokens."""
 
     p_texts, p_special = prompt_texts(tokenizer, list(prompts))
-    full_texts, f_special = _texts(tokenizer, list(prompts), list(completions))
+    full_texts, f_special = example_texts(tokenizer, list(prompts), list(completions))
     p_ids = tokenizer(p_texts, add_special_tokens=p_special)["input_ids"]
     f_ids = tokenizer(full_texts, add_special_tokens=f_special)["input_ids"]
     out = []

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from snaketrl.units import human_bytes
+
 MISSING = "–"
 SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
 # Column kinds: "text", "int" (thousands separators), "float" (the column's decimals), "percent" (a share
@@ -71,8 +73,7 @@ def number(value, kind: str = "float", decimals: int | None = None) -> str:
     if kind == "si":
         return si(value)
     if kind == "bytes":
-        mib = value / 2**20
-        return f"{mib / 1024:,.2f} GiB" if mib >= 1024 else f"{mib:,.0f} MiB"
+        return human_bytes(value)
     if kind == "seconds":
         return f"{value:,.1f} s" if value < 600 else f"{int(value // 60)} min {value % 60:02.0f} s"
     if decimals is not None:

@@ -107,7 +107,7 @@ def sweep_png(table, label: str, title: str) -> bytes:
 
 def sweep_sections(runs: dict[str, dict], states: dict[str, dict], metrics: dict[str, dict]) -> list[dict]:
     """Per swept run (a trainer and model): its metric per combination as a table and a plot. `runs`: the
-    resolved runs (snaketrl.config.check), `states`: trainer_state per run, `metrics`: eval job -> metrics."""
+    resolved runs (snaketrl.config.resolve_runs), `states`: trainer_state per run, `metrics`: eval job -> metrics."""
 
     sweeps: dict[str, dict[str, dict]] = {}
     for name, run in runs.items():

@@ -1,7 +1,7 @@
 """The train stage (rules/train.smk): one run of any registered TRL trainer, LoRA/QLoRA, resumable.
 
-args: the TRL config a run trains with. fields: TRL config fields read without importing trl. loading:
-models and tokenizers as training loads them. run: the train job. batching, sampler, tokens: the length
+run: the train job, and plan: what it decides before loading. args: the TRL config a run trains with. loading:
+models and tokenizers as training loads them. batching, sampler, tokens: the length
 stage's batching choice carried out and measured. cost: each step's FLOPs and peak memory. ppo: TRL's
 PPOTrainer made resumable. distributed: multi-GPU launches. training_samples: GRPO/PPO completions logged
 while training.

@@ -67,13 +67,17 @@ def check_liger_model(args: dict, model_dir, run: str = "?", model: str | None =
                           f"set use_liger_kernel for the runs of those models only (runs.<name>.args)")
 
 
-def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None) -> None:
-    """Settings that need a CUDA GPU fail here, before any model loads, when none is visible."""
+def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None, *,
+                   cuda: bool | None = None) -> None:
+    """Settings that need a CUDA GPU fail here, before any model loads, when none is visible (`cuda`: whether
+    one is; None: ask torch)."""
     import importlib.util
 
-    import torch
+    if cuda is None:
+        import torch
 
-    if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+    if cuda:
         if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "
                               f"(pip install liger-kernel)")
@@ -104,14 +108,10 @@ def native_bf16(cpu: bool = True) -> bool:
         return False
 
 
-def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
-               batching: dict | None = None, cpu_bf16: bool = False):
-    """The trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching` args, the
-    hardware's bf16 (on a CPU only with `cpu_bf16`: the model may train in it there)."""
-    import torch
-
-    cls = check_args(trainer, args, run)
-    bf16 = native_bf16(cpu=cpu_bf16)
+def trl_kwargs(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int,
+               batching: dict | None = None, bf16: bool = False, cuda: bool = False) -> dict:
+    """The fields of the trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching`
+    args, and `bf16` where the hardware computes it natively (on a `cuda` GPU or a CPU)."""
     kwargs = {
         "report_to": "none",
         "seed": seed,
@@ -132,14 +132,26 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
                                          "fused_linear_cross_entropy": False}
     if not kwargs["bf16"]:
         kwargs.setdefault("fp16", False)
-    elif not torch.cuda.is_available():  # transformers takes bf16 without a GPU for a mistake unless told
+    elif not cuda:  # transformers takes bf16 without a GPU for a mistake unless told
         kwargs["use_cpu"] = True
-    return cls(**kwargs)
+    return kwargs
+
+
+def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
+               batching: dict | None = None, cpu_bf16: bool = False):
+    """The trainer's TRL config on this machine (trl_kwargs with this machine's bf16; on a CPU only with
+    `cpu_bf16`: the model may train in it there). The train job builds its own in its plan
+    (snaketrl.train.plan)."""
+    import torch
+
+    cls = check_args(trainer, args, run)
+    return cls(**trl_kwargs(trainer, args, output_dir=output_dir, max_length=max_length, seed=seed, batching=batching,
+                            bf16=native_bf16(cpu=cpu_bf16), cuda=torch.cuda.is_available()))
 
 
 def steps_for_tokens(max_tokens: int, args, lengths: dict, processes: int, packed: bool, lengths_file) -> int:
-    """A run's max_tokens as optimizer steps: the budget over the real tokens of one step's examples (`args`, a
-    TRL config, as one of `processes` trains them). A packed row is max_length tokens of examples (TRL packs
+    """A run's max_tokens as optimizer steps: the budget over the real tokens of one step's examples (`args`, the
+    TRL config's values, as one of `processes` trains them). A packed row is max_length tokens of examples (TRL packs
     rows full); otherwise an example has the length stage's mean_tokens."""
     import math
 

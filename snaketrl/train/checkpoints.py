@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 
 from snaketrl.errors import DiskFull
 from snaketrl.kill_points import check_kill_env, kill_point
+from snaketrl.units import human_bytes
 
 log = logging.getLogger("snaketrl.train")
 
@@ -79,14 +80,6 @@ def _lacks(folder: Path, expected: set[str]) -> list[str]:
 
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _human(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _sync(folder: Path) -> None:
@@ -323,18 +316,18 @@ class Attempt(TrainerCallback):
     def _disk_full(self, folder: Path) -> DiskFull:
         complete = [f for f in self._complete() if f != folder]
         if complete:
-            need = f"about {_human(_size(complete[-1]))} (the size of {complete[-1].name})"
+            need = f"about {human_bytes(_size(complete[-1]))} (the size of {complete[-1].name})"
         else:
             trainer = self.trainer
             weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
             moments = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values()
                           for t in s.values() if hasattr(t, "numel"))
-            need = f"more than {_human(weights + moments)} (its trainable weights and optimizer state alone)"
+            need = f"more than {human_bytes(weights + moments)} (its trainable weights and optimizer state alone)"
         shutil.rmtree(folder, ignore_errors=True)  # nothing half-written stays to take space or be trusted
         free = shutil.disk_usage(self.dir if self.dir.exists() else self.dir.parent).free
         where = complete[-1].name if complete else "the start"
         return DiskFull(f"run '{self.run}': no space left on device for checkpoint {folder}: it needs {need}, "
-                        f"{_human(free)} free there; free some space and rerun: it resumes from {where}")
+                        f"{human_bytes(free)} free there; free some space and rerun: it resumes from {where}")
 
     def _seconds(self) -> float:
         return self.saved.get("seconds", 0.0) + (time.perf_counter() - self._began if self._began else 0.0)

@@ -1,4 +1,7 @@
 """The train job: one resolved run with its TRL trainer, LoRA/QLoRA, resumable checkpoints.
+
+train_run reads top to bottom as TRL's scripts do: plan (snaketrl.train.plan) -> resume -> load -> build the
+trainer -> train -> check -> write the outputs.
 """
 
 from __future__ import annotations
@@ -12,27 +15,196 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from snaketrl.data.chat import chat_rows
-from snaketrl.errors import TrainingError
+from snaketrl.errors import TrainingError, one_line
 from snaketrl.imports import imports_done, skip_deepspeed_inference_ops
-from snaketrl.io import read_jsonl
+from snaketrl.io import atomic, hash_path, read_jsonl, write_json
+from snaketrl.kill_points import kill_point
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
-from snaketrl.train.args import (build_args, check_args, check_hardware, check_liger_model, check_switches,
-                                 split_batch, steps_for_tokens)
-from snaketrl.train.distributed import SHARDED
-from snaketrl.train.attention import choose as choose_attention
-from snaketrl.train.attention import answering_trl_flash_warnings, routes_attention, unpad
+from snaketrl.train import training_samples
+from snaketrl.train.attention import answering_trl_flash_warnings, unpad
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
-from snaketrl.train.memory import choose_checkpointing, free_bytes
-from snaketrl.trainers import REGISTRY, load
+from snaketrl.train.plan import TrainPlan, detect_device, plan_run
+from snaketrl.trainers import load
 
 log = logging.getLogger("snaketrl.train")
 
 
-def _fingerprint(obj) -> str:
+def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
+              reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
+    """Train one resolved run (snaketrl.config.resolve.resolve_run); write adapter/, trainer_state.json, metrics.json
+    and manifest.json into out_dir, each whole or not at all."""
+    import torch
+    from transformers import AutoTokenizer, set_seed
+
+    from snaketrl.train.checkpoints import Attempt
+    from snaketrl.train.guard import DivergenceGuard
+    from snaketrl.train.tokens import TokenBudget, TokenCounter
+
+    # Plan: everything the job decides from its config, the length stage's file, the device and the process
+    # group, before any model loads (snaketrl.train.plan).
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # launched (snaketrl.train.distributed): `world` processes
+    device = detect_device()
+    if world > 1 and device.name == "cpu" and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+        skip_deepspeed_inference_ops()  # accelerate's zero2 and zero3: before the training arguments are built
+    plan = plan_run(run, model_dir=model_dir, lengths_file=lengths_file, checkpoint_dir=checkpoint_dir, device=device,
+                    world=world)
+    for note in plan.notes:
+        log.info("%s: %s", run["name"], note)
+    spec, args, entry = plan.spec, plan.args, run["model_entry"]
+
+    # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
+    # says which and why); a diverged one stops here, before loading.
+    inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
+              "reward_model": reward_dir}
+    hashes = {name: hash_path(path) for name, path in inputs.items() if path}
+    attempt = Attempt(checkpoint_dir, {"config": fingerprint(run), **hashes}, run["name"])
+
+    # Load the tokenizer and the policy as planned; the loss choice needs the loaded model.
+    if threads:
+        torch.set_num_threads(threads)
+    set_seed(run["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
+    model = load_model(model_dir, run["model"], {**entry, "attn_implementation": plan.attention}, args.bf16,
+                       spec.task_type, sharded=plan.sharded)
+    prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
+    check_lora_targets(model, run["lora"]["target_modules"], run["model"])
+    labelled, why = choose_labelled(run["trainer"], run["args"], plan.device, model, run["lora"],
+                                    "tiny" in entry)
+    if why:
+        log.info("%s: loss: %s", run["name"], why)
+
+    # Build the trainer, with the workflow's callbacks and its forward as planned.
+    train_ds, eval_ds = datasets(plan, tokenizer, train_file, eval_file)
+    counter = TokenCounter(tokenizer.pad_token_id)
+    budget = [TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []
+    guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
+    trainer = build_trainer(plan, model, tokenizer, train_ds, eval_ds, labelled, reward_dir,
+                            callbacks=[counter, *budget, guard, attempt, *(callbacks or [])])
+    counter.watch(trainer)  # FLOPs of its reference, reward and value models too
+    if budget and world > 1:
+        budget[0].reduce = lambda n: trainer.accelerator.reduce(
+            torch.tensor(n, device=trainer.accelerator.device), "sum").item()
+    attempt.attach(trainer, counter, training_samples.attach(trainer, attempt.samples, run["name"]))
+
+    # Train.
+    imports_done()
+    try:
+        metrics = dict(trainer.train(resume_from_checkpoint=attempt.resume).metrics)
+    except RuntimeError as err:
+        guard.failed(err)
+        raise
+
+    # Check: a diverged run stops here, before any output exists (its checkpoints and log stay in
+    # checkpoint_dir); so does one that made no optimizer step.
+    guard.check(metrics)
+    check_trained(trainer.state, args, run["name"], len(train_ds))
+    attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
+    metrics.update(counter.summary(gather_steps(counter.steps, world)))
+    metrics.update(plan.report(), logits_on_labels_only=labelled)
+    # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
+    if spec.drops and not plan.packed:
+        metrics["examples_dropped"] = len(train_ds) - len(trainer.train_dataset)
+    if run.get("max_tokens"):
+        metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps, steps=trainer.state.global_step)
+        log.info("%s: %d real tokens in %d of at most %d steps (max_tokens %d)", run["name"], metrics["real_tokens"],
+                 trainer.state.global_step, args.max_steps, run["max_tokens"])
+    if world > 1:
+        metrics.update(group_metrics(trainer, plan.batch))
+    if spec.evaluates:
+        metrics.update(trainer.evaluate())
+        guard.check(metrics)
+
+    # Write the outputs, each whole or not at all.
+    if write_outputs(trainer, tokenizer, plan, metrics, Path(out_dir), attempt,
+                     {name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()}, model_dir):
+        attempt.finish()
+    return metrics
+
+
+def datasets(plan: TrainPlan, tokenizer, train_file, eval_file):
+    """The run's train and eval datasets; with each example's tokens in the length column where the planned
+    batching groups by a column (snaketrl.train.sampler)."""
+    from datasets import Dataset
+
+    run, spec = plan.run, plan.spec
+    train_ds, eval_ds = (Dataset.from_list(rows) for rows in run_rows(run, spec, tokenizer, train_file, eval_file))
+    if plan.batching.get("length_column_name"):
+        train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, plan.args.length_column_name)
+                             for ds in (train_ds, eval_ds))
+    return train_ds, eval_ds
+
+
+def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled: bool, reward_dir, callbacks: list):
+    """The run's TRL trainer with its LoRA adapter, and its forward as planned: one-pass SFT loss or DPO's
+    completion logits where `labelled`, row groups, unpadded varlen layers."""
+    from peft import LoraConfig
+
+    run, spec, args = plan.run, plan.spec, plan.args
+    if labelled and run["trainer"] == "sft":
+        args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
+        use_one_pass()
+    # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
+    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
+    extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
+    trainer_cls = load(spec.trainer)
+    if plan.batching.get("train_sampling_strategy") == "group_by_length":
+        from snaketrl.train.sampler import with_grouped_sampler
+
+        trainer_cls = with_grouped_sampler(trainer_cls, plan.batch.get("group_rows"))
+    with answering_trl_flash_warnings(plan.attention, run["name"]):
+        trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                              processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
+    if labelled and run["trainer"] == "dpo":
+        completion_logits(trainer, row_groups=plan.row_groups)  # the row groups between its two layers
+    elif plan.row_groups:
+        from snaketrl.train.batching import split_rows
+
+        for module in (trainer.model, getattr(trainer, "ref_model", None)):  # and a separate reference model
+            if module is not None:
+                split_rows(module, args.pad_to_multiple_of)
+    if plan.unpadded:
+        from snaketrl.train.cost import decoder
+
+        unpad(decoder(trainer.model))
+    return trainer
+
+
+def write_outputs(trainer, tokenizer, plan: TrainPlan, metrics: dict, out_dir: Path, attempt, inputs: dict,
+                  model_dir) -> bool:
+    """adapter/, trainer_state.json, metrics.json, training_samples.jsonl and manifest.json, each whole or not at
+    all. Collective under accelerate (ZeRO-3 gathers the shards): every rank saves into the one folder rank 0
+    made, which rank 0 alone then puts in place and completes. Whether this process wrote them (rank 0)."""
+    from snaketrl import manifest
+
+    run, args = plan.run, plan.args
+    main = trainer.is_world_process_zero()
+    tag = "-ranks" if plan.world > 1 else None
+    shared = out_dir / f".adapter.tmp{tag}"
+    with atomic(out_dir / "adapter", directory=True, tag=tag) if main else nullcontext(shared) as adapter_tmp:
+        trainer.accelerator.wait_for_everyone()
+        trainer.save_model(str(adapter_tmp))
+        trainer.accelerator.wait_for_everyone()
+        if main:
+            tokenizer.save_pretrained(str(adapter_tmp))
+    if not main:
+        return False
+    with atomic(out_dir / "trainer_state.json") as tmp:
+        trainer.state.save_to_json(str(tmp))
+    kill_point("writing_outputs")
+    write_json(metrics, out_dir / "metrics.json")
+    training_samples.finish(attempt.samples, out_dir / "training_samples.jsonl")
+    manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(), inputs=inputs,
+                   device=plan.device, resumed_from=attempt.resume, model_source=read_source(model_dir),
+                   attempts=attempt.attempts,
+                   numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
+    return True
 
 
 def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
@@ -53,23 +225,6 @@ def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
                 "value_model": load_model(reward_dir, "value", entry, bf16, "SEQ_CLS"),
                 "ref_model": None}
     return {}
-
-
-def forward_tokens(spec, args, max_length: int) -> int:
-    """Tokens of one training forward at most: rows (a preference pair is two) x their longest; an online
-    trainer's rows are a prompt (cut to max_length) and its completion."""
-    rows = args.per_device_train_batch_size * (2 if spec.layout == "preference" else 1)
-    completion = getattr(args, "max_completion_length", None) or getattr(args, "response_length", None) or 0
-    return rows * (max_length + (completion if spec.length_field is None else 0))
-
-
-def split_model_rows(trainer) -> None:
-    """Run the trainer's (and a separate reference model's) forward passes in row groups (snaketrl.train.batching)."""
-    from snaketrl.train.batching import split_rows
-
-    for model in (trainer.model, getattr(trainer, "ref_model", None)):
-        if model is not None:
-            split_rows(model, trainer.args.pad_to_multiple_of)
 
 
 def with_lengths(dataset, tokenizer, layout: str, column: str):
@@ -100,205 +255,6 @@ def run_rows(run: dict, spec, tokenizer, train_file, eval_file) -> tuple[list[di
         return train_rows, eval_rows
     return tuple(chat_rows(rows, run.get("chat", False), tokenizer, model=run["model"], dataset=run["dataset"],
                            where=f"run '{run['name']}'") for rows in (train_rows, eval_rows))
-
-
-def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
-              reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
-    """Train one resolved run (snaketrl.config.resolve_run); write adapter/, trainer_state.json, metrics.json
-    and manifest.json into out_dir, each whole or not at all."""
-    import torch
-
-    from snaketrl import manifest
-    from snaketrl.io import atomic, hash_path, write_json
-    from snaketrl.train import training_samples
-    from snaketrl.kill_points import kill_point
-    from snaketrl.train.checkpoints import Attempt
-    from snaketrl.train.guard import DivergenceGuard
-    from snaketrl.train.tokens import TokenBudget, TokenCounter
-
-    spec = REGISTRY[run["trainer"]]
-    lengths = json.loads(Path(lengths_file).read_text())
-    checkpoint_dir = Path(checkpoint_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The length stage's choice for this device; a histogram written before it chose one gets TRL's default.
-    choice = lengths.get("batching_by_device", {}).get(device)
-    if choice is None and "batching" in lengths:  # an older histogram's: a CPU's choice (row groups)
-        if device != "cpu":
-            raise TrainingError(f"{lengths_file}: no batching choice for {device}, only a CPU's ('batching', from "
-                                f"an older snaketrl); rerun the histogram: snakemake --forcerun length_histogram")
-        choice = lengths["batching"]
-    choice = choice or {}
-    batching, split = choice.get("args", {}), choice.get("split_rows", False)
-    check_args(run["trainer"], run["args"], run["name"])  # a misspelt field is named before a missing GPU
-    check_switches(run["trainer"], run["args"], f"run '{run['name']}'", run["model"], run["model_entry"])
-    check_hardware(run["args"], run["name"], run["model"], run["model_entry"])
-    if device == "cuda":
-        check_liger_model(run["args"], model_dir, run["name"], run["model"])
-    # A tiny model's numbers (learning checks, thresholds) are measured in fp32, and its 64-wide layers gain nothing
-    # from bf16 units: it trains in bf16 on a bf16 GPU only. A real model also on a CPU with bf16 matrix units.
-    tiny = "tiny" in run["model_entry"]
-    build = dict(output_dir=str(checkpoint_dir), max_length=lengths["max_length"], seed=run["seed"], run=run["name"],
-                 batching=batching, cpu_bf16=not tiny)
-    # Launched (snaketrl.train.distributed): this is one of `world` processes training together.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_args, batch = split_batch(run["trainer"], run["args"], world)
-    if world > 1 and device == "cpu":
-        # DeepSpeed on CPUs: without a backend named, accelerate finds none and counts one process while
-        # DeepSpeed's group has them all (each process would train on all the data).
-        run_args = {**run_args, "ddp_backend": "gloo"}
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # accelerate's launch, for zero2 and zero3
-            skip_deepspeed_inference_ops()
-    if world > 1:
-        log.info("%s: %d processes (%s): %s", run["name"], world, "gloo on CPUs" if device == "cpu" else "nccl on GPUs",
-                 batch["note"])
-    args = build_args(run["trainer"], run_args, **build)
-    if run.get("max_tokens"):
-        steps = steps_for_tokens(run["max_tokens"], args, lengths, world, bool(batching.get("packing")), lengths_file)
-        log.info("%s: max_tokens %d: at most %d steps (the schedule's length), stopping at the step whose tokens "
-                 "reach it", run["name"], run["max_tokens"], steps)
-        run_args = {**run_args, "max_steps": steps}
-        args = build_args(run["trainer"], run_args, **build)
-    if args.bf16 and device == "cpu":
-        log.info("%s: bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)",
-                 run["name"])
-    checkpointing = args.activation_checkpointing
-    if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
-        checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, args, lengths["max_length"]),
-                                                  2 if args.bf16 else 4, free_bytes(device))
-        log.info("%s: activation checkpointing %s: %s", run["name"], "on" if checkpointing else "off", why)
-        if checkpointing != args.activation_checkpointing:
-            args = build_args(run["trainer"], {**run_args, "activation_checkpointing": checkpointing}, **build)
-    inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
-              "reward_model": reward_dir}
-    hashes = {name: hash_path(path) for name, path in inputs.items() if path}
-    samples = checkpoint_dir / "training_samples.jsonl"  # survives a crash; a resume keeps earlier steps' rows
-    # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
-    # says which and why); a diverged one stops here, before loading.
-    parts = {"config": _fingerprint(run), **hashes}
-    attempt = Attempt(checkpoint_dir, parts, run["name"])
-    resume = attempt.resume
-
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoTokenizer, set_seed
-
-    if threads:
-        torch.set_num_threads(threads)
-    set_seed(run["seed"])
-    entry = run["model_entry"]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=entry.get("trust_remote_code", False))
-    sharded = run["distributed"] in SHARDED and world > 1
-    routed = routes_attention(model_dir, spec.model_class, entry.get("trust_remote_code", False))
-    attention, why = choose_attention(spec, entry, device, routed, run["model"])
-    log.info("%s: attention %s: %s", run["name"], attention or "sdpa", why)
-    model = load_model(model_dir, run["model"], {**entry, "attn_implementation": attention}, args.bf16,
-                       spec.task_type, sharded=sharded)
-    prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
-    check_lora_targets(model, run["lora"]["target_modules"], run["model"])
-    labelled, why = choose_labelled(run["trainer"], run["args"], device, model, run["lora"], tiny)
-    if why:
-        log.info("%s: loss: %s", run["name"], why)
-    if labelled and run["trainer"] == "sft":
-        args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
-        use_one_pass()
-    # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
-    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
-    extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
-
-    train_ds, eval_ds = (Dataset.from_list(rows) for rows in run_rows(run, spec, tokenizer, train_file, eval_file))
-    if batching.get("length_column_name"):
-        train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, args.length_column_name)
-                             for ds in (train_ds, eval_ds))
-    counter = TokenCounter(tokenizer.pad_token_id)
-    budget = [TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []
-    guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
-    trainer_cls = load(spec.trainer)
-    if batching.get("train_sampling_strategy") == "group_by_length":
-        from snaketrl.train.sampler import with_grouped_sampler
-
-        trainer_cls = with_grouped_sampler(trainer_cls, batch.get("group_rows"))
-    with answering_trl_flash_warnings(attention, run["name"]):
-        trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                              processing_class=tokenizer, peft_config=peft_config,
-                              callbacks=[counter, *budget, guard, attempt, *(callbacks or [])], **extra)
-    counter.watch(trainer)  # FLOPs of its reference, reward and value models too
-    if budget and world > 1:
-        budget[0].reduce = lambda n: trainer.accelerator.reduce(
-            torch.tensor(n, device=trainer.accelerator.device), "sum").item()
-    if split and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
-        log.warning("%s: row groups are off under %s; TRL pads each batch's rows together", run["name"],
-                    run["distributed"])
-        split = False
-    elif split and args.use_liger_kernel and spec.layout == "preference":
-        # TRL's fused Liger losses of preference trainers run the decoder themselves, never the model's forward
-        log.warning("%s: row groups are off under use_liger_kernel; TRL's fused loss pads each batch's rows "
-                    "together", run["name"])
-        split = False
-    if labelled and run["trainer"] == "dpo":
-        completion_logits(trainer, row_groups=split)  # the row groups between its two layers of the forward
-    elif split:
-        split_model_rows(trainer)
-    # varlen attends within sequences it is told of: a padded batch's layers can then skip the padding
-    unpadded = attention == "varlen" and not batching.get("packing")
-    if unpadded:
-        from snaketrl.train.cost import decoder
-
-        unpad(decoder(trainer.model))
-    # Packed datasets hold sequences of several examples: nothing to count there (and TRL drops none).
-    dropped = len(train_ds) - len(trainer.train_dataset) if spec.drops and not batching.get("packing") else None
-
-    attempt.attach(trainer, counter, training_samples.attach(trainer, samples, run["name"]))
-    imports_done()
-    try:
-        metrics = dict(trainer.train(resume_from_checkpoint=resume).metrics)
-    except RuntimeError as err:
-        guard.failed(err)
-        raise
-    # A diverged run stops here, before any output exists; its checkpoints and log stay in checkpoint_dir.
-    guard.check(metrics)
-    check_trained(trainer.state, args, run["name"], len(train_ds))
-    attempt.combine(metrics, trainer.state)  # the whole run's time, over every attempt
-    metrics.update(counter.summary(gather_steps(counter.steps, world)))
-    metrics.update(device=device, batching=choice.get("strategy", "padded"), row_groups=bool(split),
-                   activation_checkpointing=bool(checkpointing), attn_implementation=attention or "sdpa",
-                   unpadded=unpadded, logits_on_labels_only=labelled)
-    if dropped is not None:
-        metrics["examples_dropped"] = dropped
-    if run.get("max_tokens"):
-        metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps, steps=trainer.state.global_step)
-        log.info("%s: %d real tokens in %d of at most %d steps (max_tokens %d)", run["name"], metrics["real_tokens"],
-                 trainer.state.global_step, args.max_steps, run["max_tokens"])
-    if world > 1:
-        metrics.update(group_metrics(trainer, batch))
-    if spec.evaluates:
-        metrics.update(trainer.evaluate())
-        guard.check(metrics)
-
-    out_dir = Path(out_dir)
-    main = trainer.is_world_process_zero()
-    # Collective under accelerate (ZeRO-3 gathers the shards): every rank saves into the one folder rank 0
-    # made, which rank 0 alone then puts in place.
-    tag = "-ranks" if world > 1 else None
-    shared = out_dir / f".adapter.tmp{tag}"
-    with atomic(out_dir / "adapter", directory=True, tag=tag) if main else nullcontext(shared) as adapter_tmp:
-        trainer.accelerator.wait_for_everyone()
-        trainer.save_model(str(adapter_tmp))
-        trainer.accelerator.wait_for_everyone()
-        if main:
-            tokenizer.save_pretrained(str(adapter_tmp))
-    if not main:
-        return metrics
-    with atomic(out_dir / "trainer_state.json") as tmp:
-        trainer.state.save_to_json(str(tmp))
-    kill_point("writing_outputs")
-    write_json(metrics, out_dir / "metrics.json")
-    training_samples.finish(samples, out_dir / "training_samples.jsonl")
-    manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(),
-                   inputs={name: {"path": str(inputs[name]), "sha256": h} for name, h in hashes.items()},
-                   device=device, resumed_from=resume, model_source=read_source(model_dir), attempts=attempt.attempts,
-                   numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
-    attempt.finish()
-    return metrics
 
 
 def group_metrics(trainer, batch: dict) -> dict:
@@ -349,7 +305,6 @@ def main(argv=None) -> None:
     import traceback
 
     from snaketrl.errors import SnaketrlError
-    from snaketrl.smk import _one_line
     from snaketrl.train.distributed import RANK_ERROR
 
     rank = os.environ.get("RANK", "0")
@@ -364,7 +319,7 @@ def main(argv=None) -> None:
         if not isinstance(err, SnaketrlError):
             traceback.print_exc()
         message = str(err) if isinstance(err, SnaketrlError) else f"{type(err).__name__}: {err}"
-        print(f"{RANK_ERROR}{rank}: {_one_line(message, 300)}", file=sys.stderr, flush=True)
+        print(f"{RANK_ERROR}{rank}: {one_line(message, 300)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

@@ -1,0 +1,176 @@
+"""What a train job decides before any model loads, decided once: the plan.
+
+From the resolved run (its config), the length stage's file, the device and the process group, `plan_run`
+decides the batching, the processes' split of the batch, the TRL args (built once: steps from `max_tokens`,
+activation checkpointing from memory, bf16 from the hardware), the attention, row groups and unpadding. The
+train job then loads, builds and trains as planned (snaketrl.train.run); the manifest and metrics.json report
+the plan. Only the loss choice waits for the loaded model (snaketrl.train.labelled.choose).
+
+No torch import here: the device's facts come in as a `Device` (`detect_device` reads them from torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from snaketrl.errors import TrainingError
+from snaketrl.train.args import (check_args, check_hardware, check_liger_model, check_switches, split_batch,
+                                 steps_for_tokens, trl_kwargs)
+from snaketrl.train.attention import choose as choose_attention
+from snaketrl.train.attention import routes_attention
+from snaketrl.train.distributed import SHARDED
+from snaketrl.train.memory import choose_checkpointing
+from snaketrl.trainers import REGISTRY, Trainer, load
+
+log = logging.getLogger("snaketrl.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The facts of the device a job trains on that decide its plan."""
+
+    name: str  # "cuda" or "cpu"
+    bf16_units: bool  # computes bf16 natively (a bf16 GPU; a CPU with AVX512-BF16 or AMX)
+    free_bytes: int  # free memory before loading
+
+
+def detect_device() -> Device:
+    """This process's device: CUDA where visible, else the CPU."""
+    import torch
+
+    from snaketrl.train.args import native_bf16
+    from snaketrl.train.memory import free_bytes
+
+    name = "cuda" if torch.cuda.is_available() else "cpu"
+    return Device(name, native_bf16(cpu=True), free_bytes(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """Everything a train job decides before loading; `notes` say why, one log line each."""
+
+    run: dict
+    spec: Trainer
+    device: str
+    world: int  # processes training together
+    batch: dict  # the global batch as the processes split it (args.split_batch)
+    max_length: int
+    choice: dict  # the length stage's batching choice for this device
+    args: Any  # the TRL config
+    checkpointing: bool
+    attention: str | None  # None: transformers' default (sdpa)
+    sharded: bool  # FSDP or ZeRO-3 across processes
+    row_groups: bool  # each batch's rows run in length groups (snaketrl.train.batching)
+    unpadded: bool  # varlen layers skip a padded batch's padding (snaketrl.train.attention.unpad)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def batching(self) -> dict:
+        """The TRL fields the length stage's choice sets."""
+        return self.choice.get("args", {})
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.batching.get("packing"))
+
+    def report(self) -> dict:
+        """What metrics.json says of the plan."""
+        return {"device": self.device, "batching": self.choice.get("strategy", "padded"), "row_groups": self.row_groups,
+                "activation_checkpointing": self.checkpointing, "attn_implementation": self.attention or "sdpa",
+                "unpadded": self.unpadded}
+
+
+def batching_choice(lengths: dict, device: str, lengths_file) -> dict:
+    """The length stage's choice for this device; a histogram written before it chose one gets TRL's default."""
+    choice = lengths.get("batching_by_device", {}).get(device)
+    if choice is None and "batching" in lengths:  # an older histogram's: a CPU's choice (row groups)
+        if device != "cpu":
+            raise TrainingError(f"{lengths_file}: no batching choice for {device}, only a CPU's ('batching', from "
+                                f"an older snaketrl); rerun the histogram: snakemake --forcerun length_histogram")
+        choice = lengths["batching"]
+    return choice or {}
+
+
+def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
+    """Tokens of one training forward at most: rows (a preference pair is two) x their longest; an online
+    trainer's rows are a prompt (cut to max_length) and its completion. `fields`: the TRL config's values."""
+    rows = fields.per_device_train_batch_size * (2 if spec.layout == "preference" else 1)
+    completion = getattr(fields, "max_completion_length", None) or getattr(fields, "response_length", None) or 0
+    return rows * (max_length + (completion if spec.length_field is None else 0))
+
+
+def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Device, world: int = 1) -> TrainPlan:
+    """The plan of one resolved run (snaketrl.config.resolve.resolve_run) on `device`, as one of `world` processes.
+    Refuses, before any model loads, what cannot run."""
+    spec = REGISTRY[run["trainer"]]
+    name, entry = run["name"], run["model_entry"]
+    lengths = json.loads(Path(lengths_file).read_text())
+    choice = batching_choice(lengths, device.name, lengths_file)
+    batching = choice.get("args", {})
+    notes = []
+
+    # Checks: a misspelt field is named before a missing GPU.
+    check_args(run["trainer"], run["args"], name)
+    check_switches(run["trainer"], run["args"], f"run '{name}'", run["model"], entry)
+    check_hardware(run["args"], name, run["model"], entry, cuda=device.name == "cuda")
+    if device.name == "cuda":
+        check_liger_model(run["args"], model_dir, name, run["model"])
+
+    # The processes' split of the configured (global) batch.
+    run_args, batch = split_batch(run["trainer"], run["args"], world)
+    if world > 1 and device.name == "cpu":
+        # DeepSpeed on CPUs: without a backend named, accelerate finds none and counts one process while
+        # DeepSpeed's group has them all (each process would train on all the data).
+        run_args = {**run_args, "ddp_backend": "gloo"}
+    if world > 1:
+        notes.append(f"{world} processes ({'gloo on CPUs' if device.name == 'cpu' else 'nccl on GPUs'}): "
+                     f"{batch['note']}")
+
+    # The TRL args. A tiny model's numbers (learning checks, thresholds) are measured in fp32, and its 64-wide
+    # layers gain nothing from bf16 units: it trains in bf16 on a bf16 GPU only; a real model also on a CPU
+    # with bf16 matrix units.
+    cls = load(spec.config)
+    bf16 = device.bf16_units and (device.name == "cuda" or "tiny" not in entry)
+    kwargs = trl_kwargs(run["trainer"], run_args, output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
+                        seed=run["seed"], batching=batching, bf16=bf16, cuda=device.name == "cuda")
+    fields = SimpleNamespace(**{**{f.name: f.default for f in dataclasses.fields(cls) if f.init}, **kwargs})
+    if run.get("max_tokens"):
+        steps = steps_for_tokens(run["max_tokens"], fields, lengths, world, bool(batching.get("packing")),
+                                 lengths_file)
+        notes.append(f"max_tokens {run['max_tokens']}: at most {steps} steps (the schedule's length), stopping at the "
+                     f"step whose tokens reach it")
+        kwargs["max_steps"] = steps
+    if kwargs["bf16"] and device.name == "cpu":
+        notes.append("bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)")
+    # TRL turns checkpointing on for every run; where the config leaves it unset, memory decides.
+    if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
+        checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, fields, lengths["max_length"]),
+                                                  2 if kwargs["bf16"] else 4, device.free_bytes)
+        notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
+        kwargs["activation_checkpointing"] = checkpointing
+    args = cls(**kwargs)
+
+    # Attention, and what the model's forward runs in row groups or unpadded.
+    trust = entry.get("trust_remote_code", False)
+    attention, why = choose_attention(spec, entry, device.name, routes_attention(model_dir, spec.model_class, trust),
+                                      run["model"])
+    notes.append(f"attention {attention or 'sdpa'}: {why}")
+    sharded = run["distributed"] in SHARDED and world > 1
+    row_groups = choice.get("split_rows", False)
+    if row_groups and sharded:  # FSDP and ZeRO-3 gather each layer's weights per forward: keep TRL's one pass
+        notes.append(f"row groups are off under {run['distributed']}; TRL pads each batch's rows together")
+        row_groups = False
+    elif row_groups and args.use_liger_kernel and spec.layout == "preference":
+        # TRL's fused Liger losses of preference trainers run the decoder themselves, never the model's forward
+        notes.append("row groups are off under use_liger_kernel; TRL's fused loss pads each batch's rows together")
+        row_groups = False
+    # varlen attends within sequences it is told of: a padded batch's layers can then skip the padding
+    unpadded = attention == "varlen" and not batching.get("packing")
+    return TrainPlan(run=run, spec=spec, device=device.name, world=world, batch=batch, max_length=lengths["max_length"],
+                     choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
+                     sharded=sharded, row_groups=row_groups, unpadded=unpadded, notes=tuple(notes))
