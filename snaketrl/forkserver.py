@@ -18,7 +18,14 @@ wall time is the job's; its CPU and memory columns are not), so runs record thei
 or on another machine (the Snakemake process must be an ancestor of the job), jobs whose interpreter, its flags
 or environment variables differ from the first job's (Snakemake's per-job threads and tmpdir aside; such a job
 says so and runs in its own process), and jobs where a CUDA GPU is visible (a process that has touched CUDA
-cannot be forked)."""
+cannot be forked).
+
+Who talks to whom: the Snakemake process makes the server's directory fresh (never one that was there before),
+its user's, mode 0700. A job trusts the directory only as that (looked at without following a link), the socket
+in it only as its user's, and the server only where the kernel says it runs as that user (SO_PEERCRED), before it
+sends anything. The server serves only a process of its user that descends from the Snakemake process of the
+offer, before it reads anything, and ends with that process (its start time tells it from a later one given the
+same pid). A job that is not served says why in one line and runs in its own process."""
 
 from __future__ import annotations
 
@@ -27,9 +34,11 @@ import os
 import select
 import signal
 import socket
+import stat
+import struct
 import sys
 
-from snaketrl.processes import die_with_parent
+from snaketrl.processes import alive, descends, die_with_parent, process_stat
 
 ENV = "SNAKETRL_FORKSERVER"
 # What Snakemake sets for each job (snakemake.shell): the job applies its threads itself (torch.set_num_threads).
@@ -50,56 +59,123 @@ def offer(eligible: bool) -> None:
     inherited from another Snakemake process (a SLURM job's own Snakemake, a nested run)."""
     if os.environ.get(ENV) == "0":
         return
-    if eligible and "SLURM_JOB_ID" not in os.environ:
-        import secrets
-        import tempfile
+    os.environ.pop(ENV, None)
+    # Linux only: elsewhere no job could tell this process is its ancestor (/proc).
+    if eligible and "SLURM_JOB_ID" not in os.environ and os.path.exists(f"/proc/{os.getpid()}/stat"):
+        try:
+            os.environ[ENV] = new_offer()
+        except OSError as err:
+            print(f"snaketrl: no fork server for this run ({err.strerror}: {err.filename}); each job runs in its "
+                  f"own process", file=sys.stderr, flush=True)
 
-        where = os.path.join(tempfile.gettempdir(), f"snaketrl-forkserver-{os.getpid()}-{secrets.token_hex(4)}")
-        os.environ[ENV] = f"{os.getpid()}:{where}"
-    else:
-        os.environ.pop(ENV, None)
+
+def new_offer(parent: str | None = None) -> str:
+    """An offer by this process (the value of SNAKETRL_FORKSERVER): its pid and start time, and its server's
+    directory, made here fresh and 0700 under `parent` (default: the temporary directory) and removed when this
+    process exits."""
+    import atexit
+    import secrets
+    import tempfile
+
+    owner = os.getpid()
+    started = process_stat(owner)[2]
+    where = os.path.join(parent or tempfile.gettempdir(), f"snaketrl-forkserver-{owner}-{secrets.token_hex(4)}")
+    os.mkdir(where, 0o700)  # no exist_ok: whatever was there is someone else's
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)  # whatever the umask took away
+    finally:
+        os.close(fd)
+    atexit.register(_withdraw, where, owner)
+    return f"{owner}:{started}:{where}"
 
 
-def hand_over() -> tuple[str, int] | None:
+def _withdraw(where: str, owner: int) -> None:
+    """At the offering process's exit: what a server or a job killed on the way left. A server still running
+    ends by itself (its socket gone, and its owner)."""
+    if os.getpid() == owner:  # not in a forked child that exits through atexit
+        _remove(where)
+
+
+def _remove(where: str) -> None:
+    for name in ("socket", "socket.new", "lock"):
+        try:
+            os.unlink(os.path.join(where, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(where)
+    except OSError:
+        pass
+
+
+def hand_over() -> tuple[str, int, str] | None:
     """First in a training-side job, before its imports: where a server runs, have it run this job (never
     returns); where one is offered and none runs yet, answer where this job starts it (`start`, once its own
-    imports are trimmed); else None: the job goes on as usual."""
-    where, owner = _offer()
+    imports are trimmed); else None: the job goes on as usual, and says why where a server was offered."""
+    where, owner, started = _offer()
     if where is None:
         return None
+    if not os.path.lexists(where):
+        _unserved(f"{where} is gone: the server ended, or the first job did not start it and its log says why")
+        return None
+    if untrusted := _untrusted(where, stat.S_ISDIR, 0o700):
+        _unserved(untrusted)
+        return None
     sock = os.path.join(where, "socket")
-    if os.path.exists(sock):
-        _hand_over(sock)  # returns only where the server could not take the job
+    if os.path.lexists(sock):
+        _hand_over(sock)  # returns only where the server did not take the job, having said why
         return None
     try:
-        os.makedirs(where, mode=0o700, exist_ok=True)
-        os.close(os.open(os.path.join(where, "lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except OSError:
-        return None  # another job is starting it
-    return where, owner
+        os.close(os.open(os.path.join(where, "lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        _unserved("another job is starting it")
+        return None
+    except OSError as err:
+        _unserved(f"{err.strerror}: {err.filename}")
+        return None
+    return where, owner, started
 
 
-def _offer() -> tuple[str | None, int]:
-    value = os.environ.get(ENV, "")
-    owner, _, where = value.partition(":")
+def _unserved(why: str) -> None:
+    print(f"snaketrl: the fork server did not take this job ({why}); it runs in this process", file=sys.stderr,
+          flush=True)
+
+
+def _offer() -> tuple[str | None, int, str]:
+    owner, _, rest = os.environ.get(ENV, "").partition(":")
+    started, _, where = rest.partition(":")
     if _served or not where or not owner.isdigit() or "SLURM_JOB_ID" in os.environ:
-        return None, 0
-    if not _ancestor(int(owner)):
-        return None, 0  # not a local job of that Snakemake process
-    return where, int(owner)
+        return None, 0, ""
+    if not descends(os.getpid(), int(owner), started):
+        return None, 0, ""  # not a local job of that Snakemake process
+    return where, int(owner), started
 
 
-def _ancestor(owner: int) -> bool:
-    pid = os.getppid()
+def _untrusted(path: str, kind, mode: int | None = None) -> str | None:
+    """Why `path` is not this user's own `kind` of file (stat.S_ISDIR, S_ISSOCK) with `mode`, looked at without
+    following a link; None where it is."""
     try:
-        while pid > 1:
-            if pid == owner:
-                return True
-            with open(f"/proc/{pid}/stat") as stat:
-                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+        st = os.lstat(path)
+    except OSError as err:
+        return f"{err.strerror}: {path}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if not kind(st.st_mode):
+        return f"{path} is not a {'directory' if kind is stat.S_ISDIR else 'socket'}"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this job's {os.getuid()}"
+    if mode is not None and stat.S_IMODE(st.st_mode) != mode:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}"
+    return None
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket, as the kernel recorded them at its
+    connect (or listen)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def _request() -> dict:
@@ -114,24 +190,23 @@ def _umask() -> int:
     return mask
 
 
+def _say(conn: socket.socket, message: dict) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
 # -- the job's side --------------------------------------------------------------------------------------------
 
 def _hand_over(sock: str) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(sock)
-    except OSError:
-        conn.close()
-        return
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    socket.send_fds(conn, [b"R"], [0, 1, 2])  # one byte carries the streams; sendall the rest, whatever its size
-    conn.sendall(json.dumps(_request()).encode() + b"\n")
     replies = conn.makefile("rb")
-    reply = json.loads(replies.readline() or b"{}")
+    try:
+        reply = _ask(conn, replies, sock)
+    except ConnectionRefusedError:
+        reply = {"refused": f"nothing answers at {sock}: its server ended without removing it"}
+    except (OSError, ValueError) as err:
+        reply = {"refused": f"{sock}: {err}"}
     if "pid" not in reply:
-        print(f"snaketrl: the fork server did not take this job ({reply.get('refused', 'no answer')}); it runs "
-              f"in this process", file=sys.stderr, flush=True)
+        _unserved(reply.get("refused", "no answer"))
         conn.close()
         return
     for signum in FORWARDED:  # to the job, as if sent to it
@@ -147,29 +222,52 @@ def _hand_over(sock: str) -> None:
     os._exit(status)
 
 
+def _ask(conn: socket.socket, replies, sock: str) -> dict:
+    """Connect to the server, make sure it is this user's and that it serves this job, and then send the job:
+    the server's answer ({"pid": ...} where it runs it, {"refused": why} where not)."""
+    if untrusted := _untrusted(sock, stat.S_ISSOCK):
+        return {"refused": untrusted}
+    conn.connect(sock)
+    pid, uid = _peer(conn)
+    if uid != os.getuid():
+        return {"refused": f"the server at {sock} (process {pid}) runs as uid {uid}, not as this job's {os.getuid()}"}
+    welcome = json.loads(replies.readline() or b"{}")
+    if not welcome.get("ready"):
+        return welcome
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    socket.send_fds(conn, [b"R"], [0, 1, 2])  # one byte carries the streams; sendall the rest, whatever its size
+    conn.sendall(json.dumps(_request()).encode() + b"\n")
+    return json.loads(replies.readline() or b"{}")
+
+
 # -- the server ------------------------------------------------------------------------------------------------
 
-def start(where: str, owner: int) -> None:
+def start(where: str, owner: int, started: str) -> None:
     """Import what jobs import, then fork the server off this job (twice, so that it is no child of this job:
-    Snakemake's benchmark would count it), before the job does anything else. The job goes on."""
+    Snakemake's benchmark would count it), before the job does anything else. The job goes on. Where the
+    server cannot be forked, this job says why, takes its directory away (later jobs say it is gone) and goes
+    on."""
     import importlib
     import warnings
 
     before = dict(os.environ)
-    with warnings.catch_warnings():  # a job whose import warns says so in its log; this one would on the console
-        warnings.simplefilter("ignore")
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass  # another version's layout: the jobs import it themselves
-    import threading
-
-    import torch
-
-    # No Python thread but this one. The native ones the imports start (numpy's and scipy's OpenBLAS servers,
-    # pyarrow's jemalloc) wait idle and handle fork themselves, as when a DataLoader forks its workers.
-    if torch.cuda.is_available() or threading.active_count() != 1:
+    try:
+        with warnings.catch_warnings():  # a job whose import warns says so in its log; this one would on the console
+            warnings.simplefilter("ignore")
+            for name in PRELOAD:
+                try:
+                    importlib.import_module(name)
+                except ImportError:
+                    pass  # another version's layout: the jobs import it themselves
+        why = _unforkable()
+    except BaseException:
+        _remove(where)
+        raise
+    if why:
+        _remove(where)
+        print(f"snaketrl: this job starts no fork server ({why}); every job runs in its own process",
+              file=sys.stderr, flush=True)
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -179,40 +277,51 @@ def start(where: str, owner: int) -> None:
         return
     try:
         if os.fork() == 0:
-            _serve(where, owner, before)
+            _serve(where, owner, started, before)
     finally:
         os._exit(0)
 
 
-def _serve(where: str, owner: int, before: dict) -> None:
+def _unforkable() -> str | None:
+    """Why this process cannot fork the server, None where it can. No Python thread but this one: the native
+    ones the imports start (numpy's and scipy's OpenBLAS servers, pyarrow's jemalloc) wait idle and handle fork
+    themselves, as when a DataLoader forks its workers."""
+    import threading
+
+    others = [thread.name for thread in threading.enumerate() if thread is not threading.current_thread()]
+    if others:
+        return f"{len(others)} other Python thread(s) run ({', '.join(others[:3])}), which a fork would not copy"
+    import torch
+
+    if torch.cuda.is_available():
+        return "a CUDA GPU is visible: a process that has touched CUDA cannot be forked"
+    return None
+
+
+def _serve(where: str, owner: int, started: str, before: dict) -> None:
     import gc
 
-    gc.freeze()  # what lives now is shared with every child and never walked again
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # the first job's streams (its log, Snakemake's pipes) stay that job's
-        os.dup2(null, fd)
-    os.close(null)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the jobs; the server ends with Snakemake
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock = os.path.join(where, "socket")
-    listener.bind(sock + ".new")
-    listener.listen(16)
-    os.rename(sock + ".new", sock)  # ready: a job that sees the socket is served
-    # Jobs are compared with the environment the imports found; what the imports set in it (torch's inductor
-    # sets TORCHINDUCTOR_CACHE_DIR) is set in each child as its own imports would have.
-    me = {"executable": sys.executable, "flags": list(sys.flags), "env": _shared(before),
-          "set": {k: v for k, v in os.environ.items() if before.get(k) != v}}
     try:
-        while _alive(owner) and os.path.exists(sock):
+        gc.freeze()  # what lives now is shared with every child and never walked again
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # the first job's streams (its log, Snakemake's pipes) stay that job's
+            os.dup2(null, fd)
+        os.close(null)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the jobs; the server ends with Snakemake
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = os.path.join(where, "socket")
+        listener.bind(sock + ".new")
+        os.chmod(sock + ".new", 0o600)
+        listener.listen(16)
+        os.rename(sock + ".new", sock)  # ready: a job that sees the socket is served
+        # Jobs are compared with the environment the imports found; what the imports set in it (torch's inductor
+        # sets TORCHINDUCTOR_CACHE_DIR) is set in each child as its own imports would have.
+        me = {"executable": sys.executable, "flags": list(sys.flags), "env": _shared(before),
+              "set": {k: v for k, v in os.environ.items() if before.get(k) != v}}
+        while alive(owner, started) and os.path.exists(sock):
             if select.select([listener], [], [], 1.0)[0]:
                 conn, _ = listener.accept()
-                if os.fork() == 0:
-                    listener.close()
-                    try:
-                        _handle(conn, me)
-                    finally:
-                        os._exit(0)
-                conn.close()
+                _take(conn, listener, owner, started, me)
             while True:  # reap finished handlers
                 try:
                     if os.waitpid(-1, os.WNOHANG)[0] == 0:
@@ -220,25 +329,30 @@ def _serve(where: str, owner: int, before: dict) -> None:
                 except ChildProcessError:
                     break
     finally:
-        for name in ("socket", "lock"):
-            try:
-                os.unlink(os.path.join(where, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(where)
-        except OSError:
-            pass
+        _remove(where)
 
 
-def _alive(pid: int) -> bool:
+def _take(conn: socket.socket, listener: socket.socket, owner: int, started: str, me: dict) -> None:
+    """One connection: refused, before a byte of it is read, unless its process is a job of this run (this
+    user's, a descendant of the offering process); else handled in a child of the server."""
+    pid, uid = _peer(conn)
+    if uid != os.getuid():
+        refused = f"its process {pid} runs as uid {uid}, not as the server's {os.getuid()}"
+    elif not descends(pid, owner, started):
+        refused = f"its process {pid} is no job of the Snakemake process {owner}"
+    else:
+        refused = None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+        _say(conn, {"refused": refused} if refused else {"ready": True})
+    except OSError:
+        refused = "gone"
+    if not refused and os.fork() == 0:
+        listener.close()
+        try:
+            _handle(conn, me)
+        finally:
+            os._exit(0)
+    conn.close()
 
 
 def _shared(env) -> dict:
@@ -266,7 +380,7 @@ def _handle(conn: socket.socket, me: dict) -> None:
         return
     request = json.loads(message)
     if refused := _refusal(request, me):
-        conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")
+        _say(conn, {"refused": refused})
         return
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -283,12 +397,12 @@ def _handle(conn: socket.socket, me: dict) -> None:
         _child(conn, fds, request, me["set"])  # never returns
     for fd in fds:
         os.close(fd)
-    conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
+    _say(conn, {"pid": child})
     while True:
         ready = select.select([conn, wake_r], [], [], 1.0)[0]
         done, status = os.waitpid(child, os.WNOHANG)
         if done:
-            conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            _say(conn, {"status": os.waitstatus_to_exitcode(status)})
             return
         if wake_r in ready:
             os.read(wake_r, 512)

@@ -1,4 +1,4 @@
-"""Process lifetimes: a process that must not outlive its parent."""
+"""Process lifetimes: a process that must not outlive its parent; whether a process is still the one it was."""
 
 from __future__ import annotations
 
@@ -22,6 +22,38 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent:  # the parent ended before the request: nobody would send it
         os.kill(os.getpid(), sig)
+
+
+def process_stat(pid: int) -> tuple[str, int, str]:
+    """A process's state, parent pid and start time (clock ticks after boot), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold anything
+    return fields[0], int(fields[1]), fields[19]
+
+
+def alive(pid: int, started: str) -> bool:
+    """Whether the process that was `pid` at start time `started` (`process_stat`) runs still: the pid's
+    process exists, is no zombie, and started then (not a later process given the pid)."""
+    try:
+        os.kill(pid, 0)
+        state, _, start = process_stat(pid)
+    except (OSError, ValueError, IndexError):  # PermissionError: another user's process has the pid now
+        return False
+    return state not in "ZX" and start == started
+
+
+def descends(pid: int, ancestor: int, started: str) -> bool:
+    """Whether process `pid` descends from process `ancestor`, the one that started at `started`."""
+    if not alive(ancestor, started):
+        return False
+    try:
+        while pid > 1:
+            pid = process_stat(pid)[1]
+            if pid == ancestor:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)

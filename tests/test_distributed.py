@@ -291,6 +291,22 @@ def test_several_nodes_launch_one_group_through_slurm(config, tmp_path, monkeypa
             "runs outside SLURM (no SLURM_JOB_NODELIST)") in log
 
 
+def test_a_multi_node_launch_keeps_paths_with_spaces_whole(tmp_path, monkeypatch):
+    """The shell of each SLURM task splits the launch into the words launch_command gives, its rank expanded."""
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: SimpleNamespace(stdout="node-a\nnode-b\n"))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node-[a-b]")
+    plan = distributed.Plan(1, 2)
+    job, config = tmp_path / "my workflow" / "job's.json", tmp_path / "my workflow" / "ddp $HOME.yaml"
+    cmd = distributed.slurm_command(plan, job, str(config), 29511)
+    monkeypatch.undo()
+    assert cmd[-3:-1] == ["sh", "-c"] and cmd[-1].startswith("exec accelerate launch ")
+    echoed = subprocess.run(["sh", "-c", cmd[-1].replace("exec accelerate", "exec printf '%s\\n' accelerate", 1)],
+                            env={"SLURM_PROCID": "1", "PATH": os.environ["PATH"]}, capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    assert echoed == distributed.launch_command(plan, job, str(config), machine_rank=1, main_ip="node-a", port=29511)
+    assert f"--config_file={config}" in echoed and echoed[-1] == str(job)
+
+
 def test_modes_that_cannot_run_on_cpus_are_refused_at_parse_time(config):
     config["trainers"]["sft"].update(processes=2, distributed="fsdp")
     with pytest.raises(ConfigError, match=r"^config: trainers\.sft\.distributed: fsdp needs GPUs \(accelerate has no "

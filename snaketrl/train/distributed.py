@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -173,8 +174,9 @@ def slurm_command(p: Plan, job_file, config: str, port: int) -> list[str]:
     (SLURM_JOB_NODELIST), where this job's own process runs."""
     hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], check=True,
                            capture_output=True, text=True).stdout.split()
-    launcher = " ".join(launch_command(p, job_file, config, machine_rank="$SLURM_PROCID", main_ip=hosts[0],
-                                       port=port))
+    rank = "$SLURM_PROCID"  # each task's own, expanded by its shell; every other word quoted (paths with spaces)
+    words = launch_command(p, job_file, config, machine_rank=rank, main_ip=hosts[0], port=port)
+    launcher = " ".join(word if word == f"--machine_rank={rank}" else shlex.quote(word) for word in words)
     # --overlap: this job's own step (srun -n1 of the SLURM plugin) already holds the first node's CPUs. One
     # task per node where the allocation has a node per machine (else tasks on one node stand for machines).
     spread = ["--ntasks-per-node=1"] if len(hosts) >= p.machines else []
