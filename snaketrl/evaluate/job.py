@@ -240,7 +240,7 @@ def main(argv=None) -> None:
     import sys
 
     job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    print(json.dumps(evaluate(**job), indent=2, default=str))
+    print(json.dumps(evaluate(**job), indent=2))
 
 
 if __name__ == "__main__":
