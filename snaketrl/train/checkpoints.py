@@ -6,8 +6,9 @@ keeps beyond transformers' own files so that a resumed run ends exactly where an
 - A checkpoint is trusted only when its save ended: the last thing a save writes is `snaketrl_checkpoint.json`,
   listing every file of the checkpoint with its size and sha256, after they are synced to disk. A checkpoint
   without it, or whose files differ from it (a kill, a full disk, a lost node, bytes damaged in place), is
-  removed with one log line naming what it lacks, and the rerun resumes from the newest complete one. Checkpoints beyond save_total_limit go only
-  after the new one is sealed, so one complete checkpoint is always there.
+  removed with one log line naming what it lacks, and the rerun resumes from the newest complete one.
+  Checkpoints beyond save_total_limit go only after the new one is sealed, so one complete checkpoint is always
+  there.
 - transformers resumes weights, optimizer, scheduler, RNG and TrainerState, but each attempt restarts the
   running sums it reports at the end: `train_loss` (the loss sum over this attempt's steps only), TRL's
   `num_tokens` and between-log metric lists, TokenCounter's steps, the training-samples file, and the runtime.
