@@ -14,6 +14,7 @@ from snaketrl.config import (
 from snaketrl.config import resolve
 from snaketrl.config.evaluation import eval_job_inputs
 from snaketrl.evaluate.harness import project_task_files
+from snaketrl.models import remote_code
 from snaketrl.train import distributed
 from snaketrl.trainers import REGISTRY
 
@@ -192,7 +193,11 @@ def run_threads(wildcards):
 
 
 def merge_settings(wildcards):
-    return {"task_type": REGISTRY[run_of(wildcards)["trainer"]].task_type}
+    run = run_of(wildcards)
+    return {
+        "task_type": REGISTRY[run["trainer"]].task_type,
+        **remote_code.param(run["model_entry"]),
+    }
 
 
 def plot_settings(wildcards):

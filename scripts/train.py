@@ -1,4 +1,3 @@
-import json
 import os
 from pathlib import Path
 
@@ -7,6 +6,7 @@ from snaketrl.imports import start_job
 start_job()  # first: before peft or transformers load
 
 from snaketrl.errors import ConfigError  # noqa: E402
+from snaketrl.io import write_json  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402
 from snaketrl.train import distributed  # noqa: E402
 from snaketrl.train.run import train_run  # noqa: E402
@@ -23,8 +23,7 @@ with logged(snakemake):
         distributed.check_launcher(run["distributed"], run["name"], plan)
         job["threads"] = max(1, snakemake.threads // plan.processes)
         job_file = Path(snakemake.params.checkpoints) / "launch_job.json"
-        job_file.parent.mkdir(parents=True, exist_ok=True)
-        job_file.write_text(json.dumps(job, default=str))
+        write_json(job, job_file)
         if plan.machines == 1:
             cmd = distributed.launch_command(plan, job_file, snakemake.input.accelerate, port=distributed.free_port())
         elif "SLURM_JOB_NODELIST" in os.environ:

@@ -195,3 +195,52 @@ def test_a_finite_run_is_untouched(tmp_path, config, tiny_model_dir, monkeypatch
     losses = [[e["loss"] for e in history if "loss" in e] for history in (guarded, bare)]
     assert losses[0] == losses[1] and len(losses[0]) == 4
     assert not (inputs["checkpoint_dir"] / MARKER).exists()
+
+
+@pytest.mark.parametrize("torn", ['{"run": "t-sft", "step": 3, "pro', '{"run": "t-sft"}'])
+def test_a_torn_marker_still_refuses_the_resume_with_one_line(tmp_path, torn):
+    """A marker is written only once a run diverged, so one cut short (by a version that wrote it in place) or
+    damaged since still says so: the rerun refuses with the same advice, naming the unreadable marker, instead
+    of failing with an internal JSON error."""
+    from snaketrl.train.guard import MARKER, refuse_resume
+
+    (tmp_path / MARKER).write_text(torn)
+    why = "JSONDecodeError: Unterminated string" if torn.endswith("pro") else "KeyError: 'step'"
+    with pytest.raises(Diverged, match=rf"^run 't-sft': its checkpoints in {tmp_path} diverged \(its marker "
+                                       rf"{tmp_path}/{MARKER} is unreadable: {why}.*\) with this same config and "
+                                       rf"inputs; change its config \({re.escape(HINT)}\) or delete {tmp_path} to "
+                                       rf"start over$"):
+        refuse_resume(tmp_path, "t-sft")
+
+
+def _write_marker_and_die(checkpoint_dir) -> None:
+    """A guard writing its marker, killed half-way through the write (os._exit: no cleanup runs)."""
+    import os
+    import pathlib
+    from types import SimpleNamespace
+
+    from snaketrl.train.guard import DivergenceGuard
+
+    def half(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[:len(text) // 2])
+        os._exit(3)
+
+    pathlib.Path.write_text = half
+    guard = DivergenceGuard("t-sft", "sft", checkpoint_dir)
+    guard.divergence = Divergence(3, "grad_norm is nan", None)
+    guard.state = SimpleNamespace(is_world_process_zero=True, log_history=[{"step": 3, "grad_norm": NAN}])
+    guard.check()
+
+
+def test_a_marker_write_killed_half_way_leaves_no_marker(tmp_path):
+    import multiprocessing
+
+    from snaketrl.train.guard import MARKER
+
+    process = multiprocessing.get_context("fork").Process(target=_write_marker_and_die, args=(tmp_path,))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 3
+    assert not (tmp_path / MARKER).exists()  # nothing a rerun would read; the half-written copy is a temporary
+    assert [p.name for p in tmp_path.iterdir()] == [f".diverged.tmp{process.pid}.json"]

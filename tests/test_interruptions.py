@@ -180,3 +180,36 @@ def test_old_checkpoints_rotate_out_only_after_the_new_one_is_sealed(tmp_path, c
     assert seen == [["checkpoint-2"], ["checkpoint-2"], ["checkpoint-2", "checkpoint-4"], ["checkpoint-4"]]
     state = json.loads((inputs["out_dir"] / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and not list(inputs["checkpoint_dir"].glob("checkpoint-*"))
+
+
+def test_a_checkpoint_damaged_in_place_is_set_aside_and_the_one_before_resumed(tmp_path, config, tiny_model_dir,
+                                                                              monkeypatch, caplog):
+    """A file of a sealed checkpoint whose bytes changed but not its size (a bad sector, a stray write) fails its
+    sha256: that checkpoint counts as cut short, and the rerun resumes from the complete one before it."""
+    from snaketrl.io import file_sha256
+    from snaketrl.train.checkpoints import MARKER, STAMP, Attempt
+    from snaketrl.train.run import train_run
+
+    inputs = prepare(tmp_path, config, tiny_model_dir, "sft")
+    inputs["run"]["args"].update(max_steps=4, save_steps=2, save_total_limit=2)
+    monkeypatch.setattr(Attempt, "finish", lambda self: None)  # its checkpoints stay, as after a kill at the end
+    train_run(**inputs, threads=1)
+    ckpt = inputs["checkpoint_dir"]
+    seal = json.loads((ckpt / "checkpoint-4" / MARKER).read_text())
+    files = sorted(p.name for p in (ckpt / "checkpoint-4").iterdir() if p.name != MARKER)
+    assert sorted(seal["sha256"]) == sorted(seal["files"]) == files
+    assert seal["sha256"]["optimizer.pt"] == file_sha256(ckpt / "checkpoint-4" / "optimizer.pt")
+
+    damaged = ckpt / "checkpoint-4" / "optimizer.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert damaged.stat().st_size == seal["files"]["optimizer.pt"]
+    parts = json.loads((ckpt / STAMP).read_text())["parts"]
+    with caplog.at_level("INFO", logger="snaketrl.train"):
+        attempt = Attempt(ckpt, parts, "t-sft")
+    assert attempt.resume == str(ckpt / "checkpoint-2")
+    assert (f"t-sft: {ckpt}/checkpoint-4 was cut short (it lacks optimizer.pt (other bytes than sealed: its sha256 "
+            f"differs)): set aside (removed), never resumed from") in caplog.text
+    assert attempt.attempts[-1]["set_aside"] == {
+        "checkpoint-4": "optimizer.pt (other bytes than sealed: its sha256 differs)"}

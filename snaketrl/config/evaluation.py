@@ -18,6 +18,7 @@ from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
 from snaketrl.evaluate.kinds import KINDS, reward_func_name, score_name
+from snaketrl.models.remote_code import TRUSTED_JUDGES, param, trusted
 from snaketrl.trainers import REGISTRY
 
 # Columns a `format` conversion produces (snaketrl.data.formats.FORMATS).
@@ -209,6 +210,8 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
     each base model once alone (`base-<model>`), and that job's completions are the reference of every run
     of that model for win rates: one yardstick, the untrained base, whatever a run started from."""
     targets: dict[str, dict] = {}
+    # The reward models judging whose models ship their own code (absent where none do, as `chat` below).
+    judges = [n for n in ev["reward_models"] if n in runs and trusted(runs[n].get("model_entry"))]
     for name in ev["runs"]:
         run = runs[name]
         # What reaches the model as chat turns: the datasets' prompts (and lm-eval's, for a chat model). Absent
@@ -216,7 +219,7 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
         entry = run.get("model_entry")  # (resolved runs have it)
         chat = [kind for kind in KINDS if entry and ev[kind] and chat_prompts(entry, ev[kind])]
         chat += ["lm_eval"] if entry and ev["lm_eval"]["tasks"] and chat_model(entry) else []
-        extra = {"chat": chat} if chat else {}
+        extra = {**({"chat": chat} if chat else {}), **param(entry), **({TRUSTED_JUDGES: judges} if judges else {})}
         targets[name] = {"kind": "run", "run": name, "model": run["model"], "trainer": run["trainer"],
                          "seed": run["seed"], "reference": BASE_PREFIX + run["model"], **extra}
         targets.setdefault(BASE_PREFIX + run["model"], {

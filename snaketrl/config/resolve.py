@@ -4,6 +4,7 @@ the resume fingerprint), each value canonical so that the same config in another
 
 from __future__ import annotations
 
+from snaketrl.models import remote_code
 from snaketrl.train import distributed
 from snaketrl.trainers import REGISTRY
 
@@ -98,4 +99,5 @@ def length_settings(config: dict, trainer: str, dataset: str, model: str, batch_
         "batching": batching or batching_of(config, trainer),
         "attn_implementation": config["models"][model].get("attn_implementation"),
         **({"chat": True} if chat_prompts(config["models"][model], config["datasets"][dataset]) else {}),
+        **remote_code.param(config["models"][model]),
     })

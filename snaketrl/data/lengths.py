@@ -338,16 +338,19 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
     """The length stage of one (trainer, dataset, model): lengths as the trainer will tokenize them (as chat
     turns where `settings` says `chat`), the max_length they imply and the batching to train with (`settings`:
     trainer, layout, keep_share, round_to, max_length (a ceiling), batch_size, seed, batching,
-    attn_implementation), plot and JSON. The JSON records `chat` for PPO's prompt tokenization."""
+    attn_implementation, trust_remote_code), plot and JSON. The JSON records `chat` and `trust_remote_code` for
+    PPO's prompt tokenization."""
     from transformers import AutoConfig, AutoTokenizer
 
     from snaketrl.data.chat import chat_rows
     from snaketrl.imports import imports_done
     from snaketrl.io import atomic, read_jsonl, write_json
+    from snaketrl.models.remote_code import param, trusted
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trust = trusted(settings)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
     imports_done()
-    cap = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    cap = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust), "max_position_embeddings", None)
     chat = settings.get("chat", False)
     rows = chat_rows(read_jsonl(train_file), chat, tokenizer, model=model, dataset=dataset, where=title)
     if settings["layout"] == "preference":
@@ -361,6 +364,7 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
                          prompts=prompt_lengths(rows, tokenizer) if drops_prompts else None,
                          ceiling=settings.get("max_length"))
     stats["chat"] = chat
+    stats.update(param(settings))
     with atomic(png_out) as tmp:
         plot_histogram(lengths.reshape(len(lengths), -1).max(axis=1), stats, tmp, title)
     write_json(stats, json_out)
@@ -376,10 +380,11 @@ def tokenize_prompt_files(model_dir, lengths_file, splits: dict) -> None:
     from snaketrl.data.chat import as_chat
     from snaketrl.imports import imports_done
     from snaketrl.io import read_json, read_jsonl, write_jsonl
+    from snaketrl.models.remote_code import trusted
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    imports_done()
     lengths = read_json(lengths_file)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trusted(lengths))
+    imports_done()
     max_length = lengths["max_length"]
     for split, (src, dst) in splits.items():
         rows = read_jsonl(src)

@@ -22,6 +22,7 @@ from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scor
 from snaketrl.imports import imports_done
 from snaketrl.io import read_jsonl, write_json, write_jsonl
 from snaketrl.models.merge import MERGED_FROM
+from snaketrl.models.remote_code import TRUSTED_JUDGES, trusted
 
 log = logging.getLogger("snaketrl.evaluate")
 
@@ -151,7 +152,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
 
     timing, metrics = {"checks": time.perf_counter() - started}, {}
     t = time.perf_counter()
-    loaded = load_for_eval(model_dir, adapter_dir, threads=threads)
+    loaded = load_for_eval(model_dir, adapter_dir, threads=threads, trust_remote_code=trusted(target))
     imports_done()
     dtype = str(next(loaded.model.parameters()).dtype)
     reference_logps = _same_numbers(reference_logps, dtype, model_dir, reference_pairs, where)
@@ -208,8 +209,9 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         columns = {k: [r.get(k) for r in prompts_rows] for k in prompts_rows[0] if k != "prompt"}
         scores = reward_function_scores(settings["reward_funcs"], prompts, texts, columns)
         for rm_name, rm_dir in reward_models.items():
-            scores[score_name("rm", rm_name)] = reward_model_scores(rm_dir, prompts, texts,
-                                                                     batch_size=settings["batch_size"])
+            scores[score_name("rm", rm_name)] = reward_model_scores(
+                rm_dir, prompts, texts, batch_size=settings["batch_size"],
+                trust_remote_code=rm_name in target.get(TRUSTED_JUDGES, []))
         timing["scores"] = time.perf_counter() - t
         metrics["scores"] = {}
         for score, values in scores.items():
@@ -240,7 +242,7 @@ def main(argv=None) -> None:
     import sys
 
     job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
-    print(json.dumps(evaluate(**job), indent=2, default=str))
+    print(json.dumps(evaluate(**job), indent=2))
 
 
 if __name__ == "__main__":

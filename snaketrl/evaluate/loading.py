@@ -38,10 +38,11 @@ class Loaded:
                 self.model.merge_adapter()
 
 
-def load_for_eval(model_dir, adapter_dir=None, *, threads: int | None = None) -> Loaded:
+def load_for_eval(model_dir, adapter_dir=None, *, threads: int | None = None,
+                  trust_remote_code: bool = False) -> Loaded:
     """Base model + LoRA adapter (peft, adapter kept separate so `reference()` gives the base without a
     second copy), or a plain/merged model. The tokenizer is the adapter's (training may have added a pad
-    token) or the model's."""
+    token) or the model's. `trust_remote_code`: the model entry's (snaketrl.models.remote_code)."""
     import torch
     import transformers
 
@@ -54,8 +55,10 @@ def load_for_eval(model_dir, adapter_dir=None, *, threads: int | None = None) ->
                               f"model; reward models judge (evaluation.reward_models), they are not evaluated")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir or model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir or model_dir,
+                                                           trust_remote_code=trust_remote_code)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                              trust_remote_code=trust_remote_code)
     prepare_tokenizer(tokenizer, model, padding_side="left")
     if adapter_dir is not None:
         from peft import PeftModel

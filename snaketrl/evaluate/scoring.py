@@ -48,14 +48,15 @@ def judge_texts(tokenizer, prompts, completions) -> tuple[list[str], bool]:
     return [p + c + (tokenizer.eos_token or "") for p, c in zip(prompts, comps)], True
 
 
-def reward_model_scores(reward_dir, prompts, completions, *, batch_size: int = 16) -> list[float]:
+def reward_model_scores(reward_dir, prompts, completions, *, batch_size: int = 16,
+                        trust_remote_code: bool = False) -> list[float]:
     """A reward model's score (logit of its single label) per completion. It reads text, re-tokenized
     with its own tokenizer, so a reward model of another family judges as well."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(reward_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    tokenizer = AutoTokenizer.from_pretrained(reward_dir, trust_remote_code=trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_dir, trust_remote_code=trust_remote_code)
     if model.config.num_labels != 1:
         raise ConfigError(f"evaluate: {reward_dir} has {model.config.num_labels} labels; a reward model has one")
     if tokenizer.pad_token is None:

@@ -17,8 +17,10 @@ from snaketrl.trainers import MODEL_CLASSES
 MERGED_FROM = "merged_from.json"
 
 
-def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads: int | None = None) -> None:
-    """Base model + LoRA adapter -> one model directory (safetensors) that loads without peft."""
+def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads: int | None = None,
+          trust_remote_code: bool = False) -> None:
+    """Base model + LoRA adapter -> one model directory (safetensors) that loads without peft (a model that
+    ships its own code keeps it: save_pretrained copies it beside the weights)."""
     import torch
     import transformers
     from peft import PeftModel
@@ -26,9 +28,10 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
     if threads:
         torch.set_num_threads(threads)
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=trust_remote_code)
     kwargs = {"num_labels": 1} if task_type == "SEQ_CLS" else {}
-    base = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(base_dir, **kwargs)
+    base = getattr(transformers, MODEL_CLASSES[task_type]).from_pretrained(
+        base_dir, trust_remote_code=trust_remote_code, **kwargs)
     imports_done()
     prepare_tokenizer(tokenizer, base)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

@@ -112,7 +112,7 @@ def pretty_json(obj) -> str:
             return f"\0{len(floats) - 1}\0"
         return x
 
-    text = json.dumps(swap(obj), indent=2, default=str)
+    text = json.dumps(swap(obj), indent=2)
     for i, value in enumerate(floats):
         text = text.replace(json.dumps(f"\0{i}\0"), value, 1)
     return text

@@ -4,10 +4,11 @@ keeps beyond transformers' own files so that a resumed run ends exactly where an
 - A run that finished (its outputs written) leaves no checkpoint to resume: a forced or triggered rerun trains
   from the start (`Attempt.finish`).
 - A checkpoint is trusted only when its save ended: the last thing a save writes is `snaketrl_checkpoint.json`,
-  listing every file of the checkpoint with its size, after they are synced to disk. A checkpoint without it,
-  or whose files differ from it (a kill, a full disk, a lost node), is removed with one log line naming what
-  it lacks, and the rerun resumes from the newest complete one. Checkpoints beyond save_total_limit go only
-  after the new one is sealed, so one complete checkpoint is always there.
+  listing every file of the checkpoint with its size and sha256, after they are synced to disk. A checkpoint
+  without it, or whose files differ from it (a kill, a full disk, a lost node, bytes damaged in place), is
+  removed with one log line naming what it lacks, and the rerun resumes from the newest complete one.
+  Checkpoints beyond save_total_limit go only after the new one is sealed, so one complete checkpoint is always
+  there.
 - transformers resumes weights, optimizer, scheduler, RNG and TrainerState, but each attempt restarts the
   running sums it reports at the end: `train_loss` (the loss sum over this attempt's steps only), TRL's
   `num_tokens` and between-log metric lists, TokenCounter's steps, the training-samples file, and the runtime.
@@ -55,16 +56,26 @@ def _step(folder: Path) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
-def _files(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != MARKER}
+def _seal_of(folder: Path) -> dict:
+    """The seal's lists: `files` (name -> size) and `sha256` (name -> digest), both taken after the files were
+    synced."""
+    from snaketrl.io import file_sha256
+
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
+    return {"files": {str(p.relative_to(folder)): p.stat().st_size for p in files},
+            "sha256": {str(p.relative_to(folder)): file_sha256(p) for p in files}}
 
 
-def _lacks(folder: Path, expected: set[str]) -> list[str]:
-    """What keeps `folder` from being a complete checkpoint: missing files, files of another size; [] if none."""
+def _lacks(folder: Path, expected: set[str], verify: bool = True) -> list[str]:
+    """What keeps `folder` from being a complete checkpoint: missing files, files of another size or (`verify`)
+    of another sha256 than the seal lists (damaged in place: same size, other bytes); [] if none. A seal written
+    before snaketrl hashed checkpoints lists no sha256: its sizes are checked."""
+    from snaketrl.io import file_sha256
+
     marker = folder / MARKER
     try:
-        listed = json.loads(marker.read_text())["files"]
+        seal = json.loads(marker.read_text())
+        listed, digests = seal["files"], seal.get("sha256", {}) if verify else {}
     except (OSError, ValueError, KeyError):
         present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
         return sorted((expected | {MARKER}) - present) or [MARKER]
@@ -75,6 +86,8 @@ def _lacks(folder: Path, expected: set[str]) -> list[str]:
             lacking.append(name)
         elif path.stat().st_size != size:
             lacking.append(f"{name} (has {path.stat().st_size} of {size} bytes)")
+        elif name in digests and file_sha256(path) != digests[name]:
+            lacking.append(f"{name} (other bytes than sealed: its sha256 differs)")
     return lacking
 
 
@@ -189,14 +202,17 @@ class Attempt(TrainerCallback):
                     expected = set(json.loads((folder / MARKER).read_text())["files"]) | {MARKER}
                 except (ValueError, KeyError):
                     pass
-        aside = {}
-        for folder in folders:
-            lacking = _lacks(folder, expected)
+        aside, resumable = {}, False
+        # Newest first: once one verifies, older ones are only checked for their files and sizes (hashing every
+        # kept checkpoint would read gigabytes more on each resume for ones it does not start from).
+        for folder in reversed(folders):
+            lacking = _lacks(folder, expected, verify=not resumable)
+            resumable = resumable or not lacking
             if lacking:
                 aside[folder.name] = ", ".join(lacking)
                 log.warning("%s: %s was cut short (it lacks %s): set aside (removed), never resumed from", self.run,
                             folder, aside[folder.name])
-        return aside
+        return {f.name: aside[f.name] for f in folders if f.name in aside}
 
     def _stamp(self, finished: bool) -> None:
         from snaketrl.io import write_json
@@ -310,7 +326,7 @@ class Attempt(TrainerCallback):
 
         _sync(folder)
         with atomic(folder / MARKER) as tmp:
-            tmp.write_text(json.dumps({"step": _step(folder), "files": _files(folder)}, indent=2))
+            tmp.write_text(json.dumps({"step": _step(folder), **_seal_of(folder)}, indent=2))
         _sync(folder)
 
     def _disk_full(self, folder: Path) -> DiskFull:

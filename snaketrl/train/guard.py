@@ -7,12 +7,12 @@ starts over as any other change does (snaketrl.train.checkpoints.Attempt).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from snaketrl.divergence import HINT, Divergence, Diverged, Scanner, describe
+from snaketrl.io import read_json, write_json
 from snaketrl.trainers import REGISTRY
 
 MARKER = "diverged.json"
@@ -75,11 +75,10 @@ class DivergenceGuard(TrainerCallback):
     def _fail(self, cause: BaseException | None = None):
         message = describe(f"run '{self.run}'", self.divergence)
         if self.state is None or self.state.is_world_process_zero:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            (self.checkpoint_dir / MARKER).write_text(json.dumps(
-                {"run": self.run, "step": self.divergence.step, "problem": self.divergence.problem,
-                 "message": message, "log_history": self.state.log_history if self.state is not None else []},
-                indent=2))
+            # Atomic: a kill mid-write leaves no marker rather than a torn one (refuse_resume reads it).
+            write_json({"run": self.run, "step": self.divergence.step, "problem": self.divergence.problem,
+                        "message": message, "log_history": self.state.log_history if self.state is not None else []},
+                       self.checkpoint_dir / MARKER)
         raise Diverged(message) from cause
 
 
@@ -88,7 +87,12 @@ def refuse_resume(checkpoint_dir, run: str) -> None:
     marker = Path(checkpoint_dir) / MARKER
     if not marker.is_file():
         return
-    saved = json.loads(marker.read_text())
-    raise Diverged(f"run '{run}': its checkpoints in {checkpoint_dir} diverged at step {saved['step']} "
-                   f"({saved['problem']}) with this same config and inputs; change its config ({HINT}) or delete "
-                   f"{checkpoint_dir} to start over")
+    try:
+        saved = read_json(marker)
+        where = f"at step {saved['step']} ({saved['problem']})"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        # Only a divergence writes the marker, so one that cannot be read (torn by a version that wrote it in
+        # place, or damaged since) still says the run diverged: refuse as for a whole one, saying what is missing.
+        where = f"(its marker {marker} is unreadable: {type(err).__name__}: {err})"
+    raise Diverged(f"run '{run}': its checkpoints in {checkpoint_dir} diverged {where} with this same config and "
+                   f"inputs; change its config ({HINT}) or delete {checkpoint_dir} to start over")
