@@ -87,7 +87,9 @@ def resolve_runs(config: dict, shipped: Callable[[str], str] | None = None, gpus
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
     _check_batching(config, {run["trainer"] for run in runs.values()})
     _check_local_files(config, runs, shipped)
-    return {name: resolve_run(config, name, run) for name, run in with_seeds(config, runs).items()}
+    seeded = with_seeds(config, runs)
+    return {name: resolve_run(config, name, run, config["models"][seeded[run["reward_model"]]["model"]]
+                              if run.get("reward_model") else None) for name, run in seeded.items()}
 
 
 # TRL 1.12 defaults of the fields in its generation-batch rule (tests/test_config.py checks they

@@ -46,9 +46,10 @@ def canonical(value):
     return value
 
 
-def resolve_run(config: dict, name: str, run: dict) -> dict:
+def resolve_run(config: dict, name: str, run: dict, reward_model_entry: dict | None = None) -> dict:
     """Everything that decides a run's training, resolved: the train job's params, the manifest's config and
-    (with its input hashes) the resume fingerprint."""
+    (with its input hashes) the resume fingerprint. `reward_model_entry`: the model entry of its reward run's
+    model (whose code the run then loads only where that entry trusts it)."""
     lora = lora_args(config, run["model"])
     if REGISTRY[run["trainer"]].task_type == "SEQ_CLS":
         # Known TRL pitfall: without this the freshly initialised `score` head is neither trained nor saved.
@@ -68,6 +69,7 @@ def resolve_run(config: dict, name: str, run: dict) -> dict:
         **({"chat": True} if chat_prompts(config["models"][run["model"]], config["datasets"][run["dataset"]]) else {}),
         **({"eval_rows": run["eval_rows"]} if run.get("eval_rows") else {}),
         **({"max_tokens": run["max_tokens"]} if run.get("max_tokens") else {}),
+        **({"reward_trust_remote_code": True} if remote_code.trusted(reward_model_entry) else {}),
     })
 
 

@@ -209,17 +209,18 @@ def write_outputs(trainer, tokenizer, plan: TrainPlan, metrics: dict, out_dir: P
 
 def trainer_kwargs(spec, run: dict, tokenizer, reward_dir, bf16: bool) -> dict:
     """What a trainer takes beyond model/args/data: reward functions, or PPO's reward and value models."""
+    trust = run.get("reward_trust_remote_code", False)  # the reward run's model entry's
     if spec.reward_funcs:
         from snaketrl.rewards import resolve
 
         funcs = resolve(run["reward_funcs"])
         if reward_dir:
-            check_reward_tokenizer(tokenizer, reward_dir, run["name"])
-            funcs.append(str(reward_dir))  # TRL loads it as a sequence classifier with its own tokenizer
+            check_reward_tokenizer(tokenizer, reward_dir, run["name"], trust)
+            funcs.append(str(reward_dir))  # TRL loads it with its own tokenizer (args.trust_remote_code: the plan's)
         return {"reward_funcs": funcs}
     if spec.value_model:
-        check_reward_tokenizer(tokenizer, reward_dir, run["name"])
-        entry = {"trust_remote_code": False}
+        check_reward_tokenizer(tokenizer, reward_dir, run["name"], trust)
+        entry = {"trust_remote_code": trust}
         # The value model starts as a copy of the reward model; the reference is the adapter-free policy.
         return {"reward_model": load_model(reward_dir, "reward", entry, bf16, "SEQ_CLS"),
                 "value_model": load_model(reward_dir, "value", entry, bf16, "SEQ_CLS"),
