@@ -4,5 +4,5 @@ args: the TRL config a run trains with. fields: TRL config fields read without i
 models and tokenizers as training loads them. run: the train job. batching, sampler, tokens: the length
 stage's batching choice carried out and measured. cost: each step's FLOPs and peak memory. ppo: TRL's
 PPOTrainer made resumable. distributed: multi-GPU launches. training_samples: GRPO/PPO completions logged
-while training.
+while training. live: report_to trackio, the runs' curves in a local dashboard.
 """

@@ -7,13 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 from snaketrl.errors import ConfigError, TrainingError, did_you_mean
+from snaketrl.train.live import trackio_args
 from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
 OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
          "seed": "the top-level seed (`seeds: [...]`, top level or per run, repeats runs over seeds)",
          **{key: "the length stage's batching choice (length.batching: auto, padded, grouped, packed)"
-            for key in BATCHING_FIELDS}}
+            for key in BATCHING_FIELDS},
+         "run_name": "the workflow (each run's own name, which trackio shows it under)",
+         **{key: "the live view (report_to: trackio keeps the curves in results/trackio on this machine: "
+                 "docs/live-view.md)" for key in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:
@@ -116,6 +120,7 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
         "report_to": "none",
         "seed": seed,
         **args,
+        **trackio_args(args, run),
         **(batching or {}),
         # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
         # a config may only turn it off.
