@@ -115,6 +115,11 @@ def checkpoints(run: str) -> str:
     return f"{RESULTS}/checkpoints/{run}"
 
 
+def trackio() -> str:
+    """trackio's store (a SQLite file per project) for runs that report_to trackio: the live view's."""
+    return f"{RESULTS}/trackio"
+
+
 def log(rule: str, *names: str) -> str:
     return f"{RESULTS}/logs/{rule}/{'/'.join(names)}.log"
 

@@ -95,7 +95,7 @@ def test_evaluation_runs_may_name_a_swept_run(config):
     ({"sft": {"max_length": [64]}}, "config: sweeps.sft.max_length: set by the length histogram (tune "
                                     "length.keep_share), it cannot be swept"),
     ({"kto": {"beta": [0.1]}}, "config: sweeps.kto: no run trains 'kto' (add it to matrix.trainers or runs)"),
-    ({"dpo": {"run_name": ["my run"]}}, "config: sweeps.dpo.run_name: value 'my run' cannot be part of a run name"),
+    ({"dpo": {"hub_model_id": ["my run"]}}, "config: sweeps.dpo.hub_model_id: value 'my run' cannot be part of a run name"),
     ({"dpo": {"lr_scheduler_type": ["cosine restarts"]}},
      "config: sweeps.dpo.lr_scheduler_type: expected one of 'linear', 'cosine', 'cosine_with_restarts', "),
     ({"dpo": {"per_device_train_batch_size": [4, 0]}},

@@ -13,6 +13,7 @@ import re
 from snaketrl.errors import ConfigError, did_you_mean
 from snaketrl.train.args import OWNED
 from snaketrl.config.fields import Field, init_field_types
+from snaketrl.train.live import check_report_to
 from snaketrl.trainers import REGISTRY
 
 LORA = "peft:LoraConfig"
@@ -160,6 +161,8 @@ def check_field(dotted: str, key: str, v, where: str, trainers_of=None):
                           f"bf16: false may be set")
     v = value(fields[key], v, where)
     _check_range(fields[key], key, v, where, LIMITS)
+    if key == "report_to":
+        check_report_to(v, where)
     return v
 
 
@@ -169,6 +172,9 @@ def check_section(section: dict, trainers: list[str], where: str) -> dict:
     classes = {t: REGISTRY[t].config for t in trainers}
     out = {}
     for key, v in section.items():
+        if key == "project" and where != "training":
+            raise ConfigError(f"config: {where}.project: one trackio project holds all the workflow's runs; "
+                              f"set project under training")
         for trainer in trainers:
             others = {t: d for t, d in classes.items() if t != trainer} if where == "training" else None
             out[key] = check_field(classes[trainer], key, v, f"{where}.{key}", others)

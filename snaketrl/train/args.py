@@ -7,13 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 from snaketrl.errors import ConfigError, TrainingError, did_you_mean
+from snaketrl.train.live import trackio_args
 from snaketrl.trainers import BATCHING_FIELDS, REGISTRY, load
 
 # Fields the workflow owns: set from the DAG (paths, the length histogram) or from the hardware.
 OWNED = {"output_dir": "the workflow", "max_length": "the length histogram (tune length.keep_share)",
          "seed": "the top-level seed (`seeds: [...]`, top level or per run, repeats runs over seeds)",
          **{key: "the length stage's batching choice (length.batching: auto, padded, grouped, packed)"
-            for key in BATCHING_FIELDS}}
+            for key in BATCHING_FIELDS},
+         "run_name": "the workflow (each run's own name, which trackio shows it under)",
+         **{key: "the live view (report_to: trackio keeps the curves in results/trackio on this machine: "
+                 "docs/live-view.md)" for key in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")}}
 
 
 def check_args(trainer: str, args: dict, run: str = "?") -> type:
@@ -108,14 +112,16 @@ def native_bf16(cpu: bool = True) -> bool:
         return False
 
 
-def trl_kwargs(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int,
+def trl_kwargs(trainer: str, args: dict, *, output_dir: str, max_length: int, seed: int, run: str = "?",
                batching: dict | None = None, bf16: bool = False, cuda: bool = False) -> dict:
-    """The fields of the trainer's TRL config: the run's `args`, the length stage's `max_length` and `batching`
-    args, and `bf16` where the hardware computes it natively (on a `cuda` GPU or a CPU)."""
+    """The fields of the trainer's TRL config: the run's `args` (and, reporting to trackio, its live view's),
+    the length stage's `max_length` and `batching` args, and `bf16` where the hardware computes it natively (on
+    a `cuda` GPU or a CPU)."""
     kwargs = {
         "report_to": "none",
         "seed": seed,
         **args,
+        **trackio_args(args, run),
         **(batching or {}),
         # TRL defaults bf16=True, which fails on a machine without a bf16 GPU: the hardware decides,
         # a config may only turn it off.
@@ -145,8 +151,8 @@ def build_args(trainer: str, args: dict, *, output_dir: str, max_length: int, se
     import torch
 
     cls = check_args(trainer, args, run)
-    return cls(**trl_kwargs(trainer, args, output_dir=output_dir, max_length=max_length, seed=seed, batching=batching,
-                            bf16=native_bf16(cpu=cpu_bf16), cuda=torch.cuda.is_available()))
+    return cls(**trl_kwargs(trainer, args, output_dir=output_dir, max_length=max_length, seed=seed, run=run,
+                            batching=batching, bf16=native_bf16(cpu=cpu_bf16), cuda=torch.cuda.is_available()))
 
 
 def steps_for_tokens(max_tokens: int, args, lengths: dict, processes: int, packed: bool, lengths_file) -> int:

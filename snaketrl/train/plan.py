@@ -137,7 +137,7 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     cls = load(spec.config)
     bf16 = device.bf16_units and (device.name == "cuda" or "tiny" not in entry)
     kwargs = trl_kwargs(run["trainer"], run_args, output_dir=str(checkpoint_dir), max_length=lengths["max_length"],
-                        seed=run["seed"], batching=batching, bf16=bf16, cuda=device.name == "cuda")
+                        seed=run["seed"], run=name, batching=batching, bf16=bf16, cuda=device.name == "cuda")
     if run.get("reward_trust_remote_code") and spec.reward_funcs:
         kwargs["trust_remote_code"] = True  # TRL loads the reward model from its path with it
     fields = SimpleNamespace(**{**{f.name: f.default for f in dataclasses.fields(cls) if f.init}, **kwargs})
