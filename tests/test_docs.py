@@ -1,0 +1,147 @@
+"""What README and docs/ state about the code (job counts, test markers, environments, versions, examples, links)
+is checked against the code, so a change that makes a statement false fails here."""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import snakemake_cli
+import yaml
+
+import snaketrl
+from conftest import ROOT
+from test_workflow import env
+
+DOCS = ROOT / "docs"
+
+
+def dry_run(workdir, *args):
+    """Snakemake's job counts, rule -> count, of a dry run of the workflow from `workdir` (no copy of it)."""
+    proc = snakemake_cli.run(["--cores", "2", "-s", str(ROOT / "Snakefile"), "-n", "--quiet", "rules", *args],
+                             workdir, {**env(), "HF_HUB_OFFLINE": "1"}, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("job "):proc.stdout.index("total")]
+    return {k: int(v) for k, v in (line.split() for line in table.splitlines()[2:] if line.strip())}
+
+
+def stated(path, pattern):
+    """Every number `pattern`'s first group matches in a documentation file."""
+    found = [int(m.replace(",", "")) for m in re.findall(pattern, (ROOT / path).read_text())]
+    assert found, f"{path} no longer states {pattern!r}"
+    return found
+
+
+def stage_tables(text):
+    """The `jobs` column of each `| stage | jobs | ...` table, summed."""
+    sums, current = [], None
+    for line in text.splitlines():
+        if line.startswith("| stage | jobs |"):
+            current = 0
+        elif current is not None and line.startswith("|") and not line.startswith("|---"):
+            current += int(line.split("|")[2])
+        elif current is not None and not line.startswith("|"):
+            sums.append(current)
+            current = None
+    return sums
+
+
+def test_the_default_job_count_that_readme_and_workflow_md_state_is_the_dry_runs(tmp_path):
+    counts = dry_run(tmp_path)
+    working = sum(counts.values()) - counts["all"]  # the docs count the jobs that do work
+    assert stated("README.md", r"the default's (\d+) jobs") == [working]
+    assert stated("docs/workflow.md", r"On the default \(\d+ runs, (\d+) jobs") == [working]
+    assert stated("docs/workflow.md", r"On the default \((\d+) runs") == [counts["train"]]
+    assert stated("docs/workflow.md", r"Snakemake's count, (\d+), adds") == [sum(counts.values())]
+    assert stated("docs/workflow.md", r"\| `seed` \| (\d+): every job") == [working]
+    assert stated("README.md", r"That is (\d+) runs") == [counts["train"]]
+
+
+def test_the_real_models_job_count_and_stage_tables_agree_with_its_dry_run(tmp_path):
+    total = sum(dry_run(tmp_path, "--configfile", str(ROOT / "config" / "smollm2.yaml")).values())
+    assert stated("docs/real-model.md", r"lists (\d+), the target") == [total]
+    assert set(stated("docs/real-model.md", r"\*\*(\d+) jobs in")) <= {total, total - 5}  # 5: data jobs done before
+    assert stage_tables((DOCS / "real-model.md").read_text()) == [total, total]
+
+
+def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
+    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
+                           "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True, env=env(),
+                          timeout=300)
+    collected = re.search(r"(\d+)/\d+ tests collected", proc.stdout)
+    assert collected, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert stated("docs/batching.md", r"`python -m pytest -m cuda` selects (\d+) tests") == [int(collected[1])]
+
+
+def test_the_conda_env_of_each_rule_is_the_one_cluster_md_names():
+    envs = {}
+    for smk in sorted((ROOT / "rules").glob("*.smk")):
+        rule = None
+        lines = smk.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if m := re.match(r"(?:local)?rule (\w+):", line):
+                rule = m[1]
+            elif line.strip() == "conda:":
+                envs[rule] = re.search(r"envs/(\w+)\.yaml", lines[i + 1])[1]
+    text = " ".join((DOCS / "cluster.md").read_text().split())
+    for name in ("train", "data"):
+        listed = re.search(rf"`envs/{name}\.yaml` \([^:]*: ([^)]*)\)", text)[1]
+        assert set(re.findall(r"`(\w+)`", listed)) == {r for r, e in envs.items() if e == name}, name
+
+
+EXAMPLES = {"own-data-one-gpu": 2, "dpo-only": 1, "sweep": 12, "hub-chat-model": 2}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_config_dry_runs_offline(example, tmp_path):
+    path = ROOT / "config" / "examples" / f"{example}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    # The user's own files: sample rows where the example says to put them.
+    samples = {"sft": ROOT / "data/samples/tldr.jsonl", "pairs": ROOT / "data/samples/ultrafeedback.jsonl"}
+    for entry in cfg["datasets"].values():
+        files = entry.get("files", {})
+        for file in (files.values() if isinstance(files, dict) else [files]):
+            if not file.startswith("workflow:"):
+                (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(samples["pairs" if "pair" in file else "sft"], tmp_path / file)
+    counts = dry_run(tmp_path, "--configfile", str(path))
+    assert counts["train"] == EXAMPLES[example]
+    assert set(p.stem for p in path.parent.glob("*.yaml")) == set(EXAMPLES)
+    assert f"config/examples/{example}.yaml" in (ROOT / "README.md").read_text()
+
+
+def test_one_version_recorded_everywhere_it_is_stated():
+    version = snaketrl.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "snaketrl.__version__"}' in pyproject
+    assert yaml.safe_load((ROOT / "CITATION.cff").read_text())["version"] == version
+    assert f"## [{version}]" in (ROOT / "CHANGELOG.md").read_text()
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and 'license = "Apache-2.0"' in pyproject
+
+
+def test_the_readme_fits_a_page_and_keeps_its_two_commands_first():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 100
+    first_block = readme.split("```")[1].splitlines()[1:]
+    assert first_block == ["pip install -r requirements.txt && snakemake --cores 2 results/report.html",
+                           "pip install -r requirements.txt && python -m pytest -n 2"]
+    assert readme.index("## Quick start") < readme.index("```")
+
+
+def test_docs_name_the_hub_command_the_code_tells_users_to_run():
+    code = "".join(p.read_text() for p in (ROOT / "snaketrl").rglob("*.py"))
+    assert "`hf download" in code and "huggingface-cli" not in code
+    pages = [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "config").rglob("*.yaml")]
+    assert [p.name for p in pages if "huggingface-cli" in p.read_text()] == []
+
+
+def test_every_relative_link_in_the_docs_names_a_file_that_exists():
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "config" / "README.md", *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
