@@ -65,6 +65,12 @@ def test_the_real_models_job_count_and_stage_tables_agree_with_its_dry_run(tmp_p
     assert stage_tables((DOCS / "real-model.md").read_text()) == [total, total]
 
 
+def test_the_seed_configs_job_count_that_cluster_md_states_is_the_dry_runs(tmp_path):
+    # Snakemake's own count, as a dry run lists it (the target rule `all` included)
+    total = sum(dry_run(tmp_path, "--configfile", str(ROOT / "config" / "seed.yaml")).values())
+    assert stated("docs/cluster.md", r"offline: (\d+) jobs listed") == [total]
+
+
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
     files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",

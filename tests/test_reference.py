@@ -10,8 +10,7 @@ SCHEMA = reference.load()
 
 
 def test_the_reference_page_is_the_one_the_schema_generates():
-    # On failure: python -m snaketrl.config.reference
-    assert reference.PAGE.read_text() == reference.page(SCHEMA)
+    assert reference.PAGE.read_text() == reference.page(SCHEMA), "rewrite it: python -m snaketrl.config.reference"
 
 
 def test_every_schema_key_has_a_short_one_line_description():
