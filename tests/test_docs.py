@@ -1,6 +1,7 @@
 """What README and docs/ state about the code (job counts, test markers, environments, versions, examples, links)
 is checked against the code, so a change that makes a statement false fails here."""
 
+import copy
 import re
 import shutil
 import subprocess
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 import snakemake_cli
+import test_reruns
 import yaml
 
 import snaketrl
@@ -56,6 +58,34 @@ def test_the_default_job_count_that_readme_and_workflow_md_state_is_the_dry_runs
     assert stated("docs/workflow.md", r"Snakemake's count, (\d+), adds") == [sum(counts.values())]
     assert stated("docs/workflow.md", r"\| `seed` \| (\d+): every job") == [working]
     assert stated("README.md", r"That is (\d+) runs") == [counts["train"]]
+
+
+# docs/workflow.md's table of what each edit reschedules: its row -> tests/test_reruns.py's edits, whose jobs that
+# test checks against Snakemake on a finished run (slow); here the table's counts against the same DAG model.
+RERUN_ROWS = {"`trainers.dpo.args.beta`": ["one trainer's args"], "`runs.sft-qwen2-tiny.args`": ["one run's args"],
+              "`training.learning_rate`, `lora.r`": ["shared training arg", "LoRA defaults"],
+              "`models.pythia-tiny.tiny.config`": ["one model's spec"],
+              "`models.qwen2-tiny.tiny.pretrain.steps`": ["one model's pretraining"],
+              "`datasets.tldr.columns`": ["one dataset's column mapping"], "`length.keep_share`": ["length.keep_share"],
+              "`evaluation.generation.max_new_tokens`": ["evaluation settings"], "`seed`": ["seed"]}
+
+
+def test_the_jobs_each_edit_reschedules_in_workflow_md_are_the_dag_models():
+    table = {}
+    for line in (DOCS / "workflow.md").read_text().splitlines():
+        if m := re.match(r"\| (`.*?`(?:, `.*?`)?)(?: \(.*?\))? \| (\d+):", line):
+            table[m[1]] = int(m[2])
+    assert set(table) == set(RERUN_ROWS)
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for row, edits in RERUN_ROWS.items():
+        for edit in edits:
+            change, touched = test_reruns.EDITS[edit]
+            cfg = copy.deepcopy(config)
+            change(cfg)
+            _, runs = test_reruns.resolved(cfg)
+            jobs = test_reruns.downstream(touched(runs, cfg), test_reruns.dag_edges(runs, cfg))
+            merges = {r["policy"] for r in runs.values()} | {r["reward_model"] for r in runs.values()}
+            assert len({j for j in jobs if j[0] != "merge" or j[1] in merges}) == table[row], (row, edit)
 
 
 def test_the_real_models_job_count_and_stage_tables_agree_with_its_dry_run(tmp_path):
