@@ -181,3 +181,50 @@ def test_every_relative_link_in_the_docs_names_a_file_that_exists():
             if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def troubleshooting_patterns():
+    """Each message docs/troubleshooting.md quotes from snaketrl, as a pattern: `<...>` and `...` stand for any text."""
+    text = (DOCS / "troubleshooting.md").read_text()
+    lines = [line for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) for line in block.splitlines()
+             if line.startswith("snaketrl: ")]
+    bodies = [re.sub(r"^snaketrl: (error in rule \w+: )?", "", line) for line in lines]
+    return [".*?".join(re.escape(part) for part in re.split(r"<[^>]+>|\.\.\.", body)) for body in bodies]
+
+
+def message_of(call):
+    with pytest.raises(Exception) as err:
+        call()
+    return str(err.value)
+
+
+def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(config, tmp_path, monkeypatch):
+    from snaketrl.config import check, validate
+    from snaketrl.data.chat import require_template
+    from snaketrl.divergence import Divergence, describe
+    from snaketrl.models.download import download
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # a user's working directory, not the clone
+    messages = [
+        message_of(lambda: download("qwen", {"hub": "Qwen/Qwen2.5-0.5B-Instruct"}, tmp_path / "model")),
+        describe("run 'sft-qwen'", Divergence(step=5, problem="grad_norm is nan", last_loss=("loss", 6.2, 5))),
+        message_of(lambda: require_template(type("Tokenizer", (), {"chat_template": None})(), [{"prompt": "Hi"}],
+                                            True, model="qwen", dataset="tldr", where="run 'sft-qwen'")),
+    ]
+    import torch
+
+    from snaketrl.train.loading import load_model
+
+    if not torch.cuda.is_available():
+        messages.append(message_of(lambda: load_model(tmp_path, "qwen", {"quantization": "4bit"}, bf16=False)))
+    for change in (lambda c: c["evaluation"]["generation"].update(max_tokens=8),
+                   lambda c: c["trainers"]["sft"]["args"].update(learning_rat=0.1),
+                   lambda c: c["datasets"]["tldr"].update(files="mine/train.jsonl"),
+                   lambda c: c["datasets"]["tldr"].update(files="data/samples/tldr.jsonl")):
+        cfg = copy.deepcopy(config)
+        change(cfg)
+        shipped = lambda rel: str(ROOT / rel)  # noqa: E731  (as the Snakefile passes it)
+        messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), check(cfg, shipped))))
+    patterns = troubleshooting_patterns()
+    assert [m for m in messages if not any(re.fullmatch(p, m) for p in patterns)] == []
