@@ -164,7 +164,8 @@ def test_snakedeploy_from_a_local_clone_plans_the_default_after_the_readme_fix(t
     deployment then plans the clone's jobs."""
     user = tmp_path / "my-project"
     commit = "0" * 40  # from a local path snakedeploy ignores it: the clone's checkout is what runs
-    assert "snakedeploy deploy-workflow ./snaketrl my-project --commit <commit>" in (ROOT / "docs/deploy.md").read_text()
+    steps = (ROOT / "docs/deploy.md").read_text()
+    assert "snakedeploy deploy-workflow ./snaketrl my-project --commit <commit>" in steps
     proc = subprocess.run([shutil.which("snakedeploy"), "deploy-workflow", str(ROOT), str(user), "--commit", commit],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

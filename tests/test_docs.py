@@ -192,17 +192,28 @@ def troubleshooting_patterns():
     return [".*?".join(re.escape(part) for part in re.split(r"<[^>]+>|\.\.\.", body)) for body in bodies]
 
 
+def shipped(rel):
+    """A file shipped with the workflow, as the Snakefile tells snaketrl.config.check."""
+    return str(ROOT / rel)
+
+
 def message_of(call):
-    with pytest.raises(Exception) as err:
+    """The one line a user error (not a crash) says."""
+    from snaketrl.errors import SnaketrlError
+
+    with pytest.raises(SnaketrlError) as err:
         call()
     return str(err.value)
 
 
 def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(config, tmp_path, monkeypatch):
+    import torch
+
     from snaketrl.config import check, validate
     from snaketrl.data.chat import require_template
     from snaketrl.divergence import Divergence, describe
     from snaketrl.models.download import download
+    from snaketrl.train.loading import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # a user's working directory, not the clone
@@ -212,10 +223,6 @@ def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(con
         message_of(lambda: require_template(type("Tokenizer", (), {"chat_template": None})(), [{"prompt": "Hi"}],
                                             True, model="qwen", dataset="tldr", where="run 'sft-qwen'")),
     ]
-    import torch
-
-    from snaketrl.train.loading import load_model
-
     if not torch.cuda.is_available():
         messages.append(message_of(lambda: load_model(tmp_path, "qwen", {"quantization": "4bit"}, bf16=False)))
     for change in (lambda c: c["evaluation"]["generation"].update(max_tokens=8),
@@ -224,7 +231,6 @@ def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(con
                    lambda c: c["datasets"]["tldr"].update(files="data/samples/tldr.jsonl")):
         cfg = copy.deepcopy(config)
         change(cfg)
-        shipped = lambda rel: str(ROOT / rel)  # noqa: E731  (as the Snakefile passes it)
         messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), check(cfg, shipped))))
     patterns = troubleshooting_patterns()
     assert [m for m in messages if not any(re.fullmatch(p, m) for p in patterns)] == []
