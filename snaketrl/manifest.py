@@ -59,7 +59,10 @@ def write(path, *, resolved: dict, trl_args: dict, inputs: dict, **extra) -> dic
     """`inputs`: name -> {path, sha256} of every file or directory the run read."""
     from snaketrl.io import write_json
 
+    from snaketrl import __version__
+
     data = {
+        "snaketrl_version": __version__,
         "versions": versions(),
         "platform": platform.platform(),
         "git_commit": git_commit(),

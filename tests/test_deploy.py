@@ -158,11 +158,15 @@ def test_a_remote_module_is_refused_at_parse_time_in_one_line(tmp_path):
 
 def test_snakedeploy_from_a_local_clone_plans_the_default_after_the_readme_fix(tmp_path, in_clone_counts,
                                                                              untouched_checkout):
-    """README's snakedeploy steps with the clone as the source: snakedeploy copies config/ and writes a module
-    whose `snakefile: "Snakefile"` resolves next to workflow/Snakefile (itself); the one line README says to
-    replace points it at the clone, and the deployment then plans the clone's jobs."""
+    """docs/deploy.md's snakedeploy steps with the clone as the source, pinned to a commit (no tags exist):
+    snakedeploy copies config/ and writes a module whose `snakefile: "Snakefile"` resolves next to
+    workflow/Snakefile (itself); the one line the page says to replace points it at the clone, and the
+    deployment then plans the clone's jobs."""
     user = tmp_path / "my-project"
-    proc = subprocess.run([shutil.which("snakedeploy"), "deploy-workflow", str(ROOT), str(user), "--tag", "v0"],
+    commit = "0" * 40  # from a local path snakedeploy ignores it: the clone's checkout is what runs
+    steps = (ROOT / "docs/deploy.md").read_text()
+    assert "snakedeploy deploy-workflow ./snaketrl my-project --commit <commit>" in steps
+    proc = subprocess.run([shutil.which("snakedeploy"), "deploy-workflow", str(ROOT), str(user), "--commit", commit],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (user / "config" / "config.yaml").read_text() == (ROOT / "config" / "config.yaml").read_text()

@@ -5,6 +5,7 @@ import os
 import learning
 import pytest
 
+import snaketrl
 from conftest import ROOT
 from snaketrl.config import ConfigError, resolve_runs
 from snaketrl.data.preprocess import preprocess
@@ -152,6 +153,13 @@ def test_same_seed_gives_identical_losses_and_full_outputs(sft_inputs, tmp_path)
     assert set(manifest["inputs"]) == {"model", "train", "eval", "lengths"}
     assert manifest["inputs"]["train"]["path"] == str(sft_inputs["train_file"])
     assert all(len(entry["sha256"]) == 64 for entry in manifest["inputs"].values())
+    assert manifest["snaketrl_version"] == snaketrl.__version__
+    # Every field written is explained in docs/outputs.md (the glossary a user reads them with).
+    glossary = (ROOT / "docs" / "outputs.md").read_text()
+    metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    undocumented = [k for k in [*metrics, *manifest] if f"`{k}`" not in glossary
+                    and not (k.startswith("eval_") and "`eval_*`" in glossary)]
+    assert undocumented == []
     import torch
 
     # What decides the rounding, so that two runs differing only there are explained (issue 24)

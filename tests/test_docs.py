@@ -1,0 +1,236 @@
+"""What README and docs/ state about the code (job counts, test markers, environments, versions, examples, links)
+is checked against the code, so a change that makes a statement false fails here."""
+
+import copy
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import snakemake_cli
+import test_reruns
+import yaml
+
+import snaketrl
+from conftest import ROOT
+from test_workflow import env
+
+DOCS = ROOT / "docs"
+
+
+def dry_run(workdir, *args):
+    """Snakemake's job counts, rule -> count, of a dry run of the workflow from `workdir` (no copy of it)."""
+    proc = snakemake_cli.run(["--cores", "2", "-s", str(ROOT / "Snakefile"), "-n", "--quiet", "rules", *args],
+                             workdir, {**env(), "HF_HUB_OFFLINE": "1"}, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("job "):proc.stdout.index("total")]
+    return {k: int(v) for k, v in (line.split() for line in table.splitlines()[2:] if line.strip())}
+
+
+def stated(path, pattern):
+    """Every number `pattern`'s first group matches in a documentation file."""
+    found = [int(m.replace(",", "")) for m in re.findall(pattern, (ROOT / path).read_text())]
+    assert found, f"{path} no longer states {pattern!r}"
+    return found
+
+
+def stage_tables(text):
+    """The `jobs` column of each `| stage | jobs | ...` table, summed."""
+    sums, current = [], None
+    for line in text.splitlines():
+        if line.startswith("| stage | jobs |"):
+            current = 0
+        elif current is not None and line.startswith("|") and not line.startswith("|---"):
+            current += int(line.split("|")[2])
+        elif current is not None and not line.startswith("|"):
+            sums.append(current)
+            current = None
+    return sums
+
+
+def test_the_default_job_count_that_readme_and_workflow_md_state_is_the_dry_runs(tmp_path):
+    counts = dry_run(tmp_path)
+    working = sum(counts.values()) - counts["all"]  # the docs count the jobs that do work
+    assert stated("README.md", r"the default's (\d+) jobs") == [working]
+    assert stated("docs/workflow.md", r"On the default \(\d+ runs, (\d+) jobs") == [working]
+    assert stated("docs/workflow.md", r"On the default \((\d+) runs") == [counts["train"]]
+    assert stated("docs/workflow.md", r"Snakemake's count, (\d+), adds") == [sum(counts.values())]
+    assert stated("docs/workflow.md", r"\| `seed` \| (\d+): every job") == [working]
+    assert stated("README.md", r"That is (\d+) runs") == [counts["train"]]
+
+
+# docs/workflow.md's table of what each edit reschedules: its row -> tests/test_reruns.py's edits, whose jobs that
+# test checks against Snakemake on a finished run (slow); here the table's counts against the same DAG model.
+RERUN_ROWS = {"`trainers.dpo.args.beta`": ["one trainer's args"], "`runs.sft-qwen2-tiny.args`": ["one run's args"],
+              "`training.learning_rate`, `lora.r`": ["shared training arg", "LoRA defaults"],
+              "`models.pythia-tiny.tiny.config`": ["one model's spec"],
+              "`models.qwen2-tiny.tiny.pretrain.steps`": ["one model's pretraining"],
+              "`datasets.tldr.columns`": ["one dataset's column mapping"], "`length.keep_share`": ["length.keep_share"],
+              "`evaluation.generation.max_new_tokens`": ["evaluation settings"], "`seed`": ["seed"]}
+
+
+def test_the_jobs_each_edit_reschedules_in_workflow_md_are_the_dag_models():
+    table = {}
+    for line in (DOCS / "workflow.md").read_text().splitlines():
+        if m := re.match(r"\| (`.*?`(?:, `.*?`)?)(?: \(.*?\))? \| (\d+):", line):
+            table[m[1]] = int(m[2])
+    assert set(table) == set(RERUN_ROWS)
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for row, edits in RERUN_ROWS.items():
+        for edit in edits:
+            change, touched = test_reruns.EDITS[edit]
+            cfg = copy.deepcopy(config)
+            change(cfg)
+            _, runs = test_reruns.resolved(cfg)
+            jobs = test_reruns.downstream(touched(runs, cfg), test_reruns.dag_edges(runs, cfg))
+            merges = {r["policy"] for r in runs.values()} | {r["reward_model"] for r in runs.values()}
+            assert len({j for j in jobs if j[0] != "merge" or j[1] in merges}) == table[row], (row, edit)
+
+
+def test_the_real_models_job_count_and_stage_tables_agree_with_its_dry_run(tmp_path):
+    total = sum(dry_run(tmp_path, "--configfile", str(ROOT / "config" / "smollm2.yaml")).values())
+    assert stated("docs/real-model.md", r"lists (\d+), the target") == [total]
+    assert set(stated("docs/real-model.md", r"\*\*(\d+) jobs in")) <= {total, total - 5}  # 5: data jobs done before
+    assert stage_tables((DOCS / "real-model.md").read_text()) == [total, total]
+
+
+def test_the_seed_configs_job_count_that_cluster_md_states_is_the_dry_runs(tmp_path):
+    # Snakemake's own count, as a dry run lists it (the target rule `all` included)
+    total = sum(dry_run(tmp_path, "--configfile", str(ROOT / "config" / "seed.yaml")).values())
+    assert stated("docs/cluster.md", r"offline: (\d+) jobs listed") == [total]
+
+
+def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
+    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
+                           "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True, env=env(),
+                          timeout=300)
+    collected = re.search(r"(\d+)/\d+ tests collected", proc.stdout)
+    assert collected, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert stated("docs/batching.md", r"`python -m pytest -m cuda` selects (\d+) tests") == [int(collected[1])]
+
+
+def test_the_conda_env_of_each_rule_is_the_one_cluster_md_names():
+    envs = {}
+    for smk in sorted((ROOT / "rules").glob("*.smk")):
+        rule = None
+        lines = smk.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if m := re.match(r"(?:local)?rule (\w+):", line):
+                rule = m[1]
+            elif line.strip() == "conda:":
+                envs[rule] = re.search(r"envs/(\w+)\.yaml", lines[i + 1])[1]
+    text = " ".join((DOCS / "cluster.md").read_text().split())
+    for name in ("train", "data"):
+        listed = re.search(rf"`envs/{name}\.yaml` \([^:]*: ([^)]*)\)", text)[1]
+        assert set(re.findall(r"`(\w+)`", listed)) == {r for r, e in envs.items() if e == name}, name
+
+
+EXAMPLES = {"own-data-one-gpu": 2, "dpo-only": 1, "sweep": 12, "hub-chat-model": 2}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_config_dry_runs_offline(example, tmp_path):
+    path = ROOT / "config" / "examples" / f"{example}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    # The user's own files: sample rows where the example says to put them.
+    samples = {"sft": ROOT / "data/samples/tldr.jsonl", "pairs": ROOT / "data/samples/ultrafeedback.jsonl"}
+    for entry in cfg["datasets"].values():
+        files = entry.get("files", {})
+        for file in (files.values() if isinstance(files, dict) else [files]):
+            if not file.startswith("workflow:"):
+                (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(samples["pairs" if "pair" in file else "sft"], tmp_path / file)
+    counts = dry_run(tmp_path, "--configfile", str(path))
+    assert counts["train"] == EXAMPLES[example]
+    assert set(p.stem for p in path.parent.glob("*.yaml")) == set(EXAMPLES)
+    assert f"config/examples/{example}.yaml" in (ROOT / "README.md").read_text()
+
+
+def test_one_version_recorded_everywhere_it_is_stated():
+    version = snaketrl.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "snaketrl.__version__"}' in pyproject
+    assert yaml.safe_load((ROOT / "CITATION.cff").read_text())["version"] == version
+    assert f"## [{version}]" in (ROOT / "CHANGELOG.md").read_text()
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and 'license = "Apache-2.0"' in pyproject
+
+
+def test_the_readme_fits_a_page_and_keeps_its_two_commands_first():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 100
+    first_block = readme.split("```")[1].splitlines()[1:]
+    assert first_block == ["pip install -r requirements.txt && snakemake --cores 2 results/report.html",
+                           "pip install -r requirements.txt && python -m pytest -n 2"]
+    assert readme.index("## Quick start") < readme.index("```")
+
+
+def test_docs_name_the_hub_command_the_code_tells_users_to_run():
+    code = "".join(p.read_text() for p in (ROOT / "snaketrl").rglob("*.py"))
+    assert "`hf download" in code and "huggingface-cli" not in code
+    pages = [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "config").rglob("*.yaml")]
+    assert [p.name for p in pages if "huggingface-cli" in p.read_text()] == []
+
+
+def test_every_relative_link_in_the_docs_names_a_file_that_exists():
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "config" / "README.md", *DOCS.glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+def troubleshooting_patterns():
+    """Each message docs/troubleshooting.md quotes from snaketrl, as a pattern: `<...>` and `...` stand for any text."""
+    text = (DOCS / "troubleshooting.md").read_text()
+    lines = [line for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) for line in block.splitlines()
+             if line.startswith("snaketrl: ")]
+    bodies = [re.sub(r"^snaketrl: (error in rule \w+: )?", "", line) for line in lines]
+    return [".*?".join(re.escape(part) for part in re.split(r"<[^>]+>|\.\.\.", body)) for body in bodies]
+
+
+def shipped(rel):
+    """A file shipped with the workflow, as the Snakefile tells snaketrl.config.check."""
+    return str(ROOT / rel)
+
+
+def message_of(call):
+    """The one line a user error (not a crash) says."""
+    from snaketrl.errors import SnaketrlError
+
+    with pytest.raises(SnaketrlError) as err:
+        call()
+    return str(err.value)
+
+
+def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(config, tmp_path, monkeypatch):
+    import torch
+
+    from snaketrl.config import check, validate
+    from snaketrl.data.chat import require_template
+    from snaketrl.divergence import Divergence, describe
+    from snaketrl.models.download import download
+    from snaketrl.train.loading import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # a user's working directory, not the clone
+    messages = [
+        message_of(lambda: download("qwen", {"hub": "Qwen/Qwen2.5-0.5B-Instruct"}, tmp_path / "model")),
+        describe("run 'sft-qwen'", Divergence(step=5, problem="grad_norm is nan", last_loss=("loss", 6.2, 5))),
+        message_of(lambda: require_template(type("Tokenizer", (), {"chat_template": None})(), [{"prompt": "Hi"}],
+                                            True, model="qwen", dataset="tldr", where="run 'sft-qwen'")),
+    ]
+    if not torch.cuda.is_available():
+        messages.append(message_of(lambda: load_model(tmp_path, "qwen", {"quantization": "4bit"}, bf16=False)))
+    for change in (lambda c: c["evaluation"]["generation"].update(max_tokens=8),
+                   lambda c: c["trainers"]["sft"]["args"].update(learning_rat=0.1),
+                   lambda c: c["datasets"]["tldr"].update(files="mine/train.jsonl"),
+                   lambda c: c["datasets"]["tldr"].update(files="data/samples/tldr.jsonl")):
+        cfg = copy.deepcopy(config)
+        change(cfg)
+        messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), check(cfg, shipped))))
+    patterns = troubleshooting_patterns()
+    assert [m for m in messages if not any(re.fullmatch(p, m) for p in patterns)] == []
