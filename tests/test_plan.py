@@ -1,0 +1,99 @@
+"""A train job's plan (snaketrl.train.plan): everything it decides before any model loads, from its config, the
+length stage's file, the device and the process group, checked here on devices the machine does not have."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from test_trainers import prepare
+
+GIB = 2**30
+
+
+def plan_of(tmp_path, config, tiny_model_dir, trainer, device, *, lengths=None, world=1, run=None, **run_extra):
+    from snaketrl.train.plan import plan_run
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job = prepare(tmp_path, copy.deepcopy(config), tiny_model_dir, trainer, **run_extra)
+    job["run"].update(run or {})
+    if lengths:
+        job["lengths_file"].write_text(json.dumps(lengths))
+    return job, plan_run(job["run"], model_dir=job["model_dir"], lengths_file=job["lengths_file"],
+                         checkpoint_dir=job["checkpoint_dir"], device=device, world=world)
+
+
+def test_the_plan_module_imports_no_training_library():
+    code = "import sys, snaketrl.train.plan; print([m for m in ('torch', 'transformers', 'trl') if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_max_tokens_sets_the_steps_of_the_one_trl_config(tmp_path, config, tiny_model_dir):
+    """The steps from max_tokens are in the TRL args the plan built once: budget / (rows x mean tokens)."""
+    from snaketrl.train.plan import Device
+
+    config = copy.deepcopy(config)
+    config["training"]["max_steps"] = -1  # the run's steps come from its tokens
+    _, plan = plan_of(tmp_path, config, tiny_model_dir, "sft", Device("cpu", False, 64 * GIB),
+                      lengths={"max_length": 64, "mean_tokens": 20.0}, run={"max_tokens": 1000})
+    rows = plan.args.per_device_train_batch_size * plan.args.gradient_accumulation_steps
+    assert rows == 4 and plan.args.max_steps == 13  # ceil(1000 / (4 x 20))
+    assert any(note.startswith("max_tokens 1000: at most 13 steps") for note in plan.notes)
+    assert plan.report() == {"device": "cpu", "batching": "padded", "row_groups": False,
+                             "activation_checkpointing": False, "attn_implementation": "sdpa", "unpadded": False}
+
+
+@pytest.mark.parametrize("free, on", [(64 * GIB, False), (1024, True)])
+def test_checkpointing_follows_the_device_memory_unless_the_config_sets_it(tmp_path, config, tiny_model_dir, free,
+                                                                           on):
+    from snaketrl.train.plan import Device
+
+    job, plan = plan_of(tmp_path, config, tiny_model_dir, "dpo", Device("cpu", False, free))
+    assert plan.checkpointing is on and plan.args.activation_checkpointing is on
+    assert plan.args.gradient_checkpointing is on  # transformers mirrors the deprecated name
+    assert any(note.startswith(f"activation checkpointing {'on' if on else 'off'}: ") for note in plan.notes)
+    job["run"]["args"]["activation_checkpointing"] = True
+    from snaketrl.train.plan import plan_run
+
+    forced = plan_run(job["run"], model_dir=job["model_dir"], lengths_file=job["lengths_file"],
+                      checkpoint_dir=job["checkpoint_dir"], device=Device("cpu", False, free))
+    assert forced.checkpointing is True and not any("checkpointing" in note for note in forced.notes)
+
+
+def test_bf16_on_a_bf16_gpu_and_never_for_a_tiny_model_on_a_cpu(tmp_path, config, tiny_model_dir):
+    from snaketrl.train.plan import Device
+
+    _, cpu = plan_of(tmp_path, config, tiny_model_dir, "sft", Device("cpu", True, 64 * GIB))
+    assert cpu.args.bf16 is False and cpu.args.fp16 is False
+
+
+def test_the_length_stages_choice_for_this_device(tmp_path, config, tiny_model_dir):
+    """A CPU takes the length stage's batching with its row groups, in the one TRL config."""
+    from snaketrl.train.plan import Device
+
+    grouped = {"max_length": 64, "batching_by_device": {"cpu": {
+        "strategy": "grouped", "split_rows": True, "args": {"train_sampling_strategy": "group_by_length",
+                                                            "remove_unused_columns": False,
+                                                            "length_column_name": "snaketrl_length"}}}}
+    _, one = plan_of(tmp_path / "a", config, tiny_model_dir, "dpo", Device("cpu", False, 64 * GIB), lengths=grouped)
+    assert one.row_groups and one.report()["batching"] == "grouped" and one.batch == {"processes": 1}
+    assert one.args.train_sampling_strategy == "group_by_length" and not one.unpadded
+
+
+def test_a_reward_model_that_ships_its_code_is_loaded_with_it(tmp_path, config, tiny_model_dir):
+    """TRL loads a GRPO run's reward model from its path with args.trust_remote_code: the plan sets it where the
+    reward run's model entry trusts its code, and leaves the field at TRL's default elsewhere."""
+    from snaketrl.train.plan import Device
+
+    job, plain = plan_of(tmp_path / "a", config, tiny_model_dir, "grpo", Device("cpu", False, 64 * GIB))
+    assert plain.args.trust_remote_code is False and "reward_trust_remote_code" not in job["run"]
+    config = copy.deepcopy(config)
+    config["models"]["qwen2-tiny"]["trust_remote_code"] = True
+    job, trusted = plan_of(tmp_path / "b", config, tiny_model_dir, "grpo", Device("cpu", False, 64 * GIB),
+                           reward_model="reward-qwen2-tiny")
+    assert job["run"]["reward_trust_remote_code"] is True and trusted.args.trust_remote_code is True
