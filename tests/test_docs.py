@@ -209,7 +209,7 @@ def message_of(call):
 def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(config, tmp_path, monkeypatch):
     import torch
 
-    from snaketrl.config import check, validate
+    from snaketrl.config import resolve_runs, validate
     from snaketrl.data.chat import require_template
     from snaketrl.divergence import Divergence, describe
     from snaketrl.models.download import download
@@ -231,6 +231,6 @@ def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(con
                    lambda c: c["datasets"]["tldr"].update(files="data/samples/tldr.jsonl")):
         cfg = copy.deepcopy(config)
         change(cfg)
-        messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), check(cfg, shipped))))
+        messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), resolve_runs(cfg, shipped))))
     patterns = troubleshooting_patterns()
     assert [m for m in messages if not any(re.fullmatch(p, m) for p in patterns)] == []

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 from snaketrl import paths
-from snaketrl.config import ConfigError, check
+from snaketrl.config import ConfigError, resolve_runs
 from snaketrl.train.args import build_args
 from snaketrl.trainers import REGISTRY
 from test_browser import BROWSER, FLAGS
@@ -145,7 +145,7 @@ def test_report_to_is_checked_at_parse_time(config):
         cfg = copy.deepcopy(config)
         change(cfg)
         with pytest.raises(ConfigError) as err:
-            check(cfg)
+            resolve_runs(cfg)
         return str(err.value)
 
     assert refused(lambda c: c["training"].update(report_to="wandb")) == (
@@ -163,7 +163,7 @@ def test_report_to_is_checked_at_parse_time(config):
         "config: training.run_name: set by the workflow (each run's own name")
     ok = copy.deepcopy(config)
     ok["training"].update(report_to="trackio", project="my-study")
-    assert {run["args"]["report_to"] for run in check(ok).values()} == {"trackio"}
+    assert {run["args"]["report_to"] for run in resolve_runs(ok).values()} == {"trackio"}
 
 
 @pytest.mark.parametrize("trainer", sorted(REGISTRY))
