@@ -23,7 +23,7 @@ WORKFLOW_ROOT = os.fspath(workflow.current_basedir)
 shipped = partial(os.path.join, WORKFLOW_ROOT)
 
 # Pure Python (installed from this checkout): parsing never loads torch, transformers or trl.
-from snaketrl.config import resolve_runs, validate, yaml_mistake
+from snaketrl.config import live_environment, resolve_runs, validate, yaml_mistake
 from snaketrl.config.evaluation import check_evaluation, eval_targets
 from snaketrl.errors import SnaketrlError
 from snaketrl.forkserver import offer
@@ -49,6 +49,9 @@ try:
         workflow.resource_settings.overwrite_resources.get("train", {})
     )
     RUNS = resolve_runs(config, shipped, TRAIN_GPUS)
+    # The live view's fields reach the train jobs in their environment, not their params: turning the view on
+    # or off retrains nothing (snaketrl/train/live.py).
+    os.environ.update(live_environment(config, RUNS))
     EVAL = check_evaluation(config.get("evaluation"), RUNS, config["datasets"], shipped)
     EVAL_TARGETS = eval_targets(EVAL, RUNS) if EVAL else {}
 except SnaketrlError as err:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT
 from snaketrl import paths
-from snaketrl.config import ConfigError, resolve_runs
+from snaketrl.config import ConfigError, live_environment, resolve_runs
 from snaketrl.train.args import build_args
 from snaketrl.trainers import REGISTRY
 from test_browser import BROWSER, FLAGS
@@ -69,12 +69,17 @@ def trained(workdir, tiny_model_dir, tmp_path_factory):
         config["training"]["report_to"] = "trackio"
         os.chdir(ROOT)  # the config's sample files are the checkout's
         job = prepare(tmp, config, tiny_model_dir, trainer)
-        assert job["run"]["name"] == run and job["run"]["args"]["report_to"] == "trackio"
+        # As the Snakefile hands it to the job: the environment, not the run's params.
+        environment = live_environment(config, {run: job["run"]})
+        assert job["run"]["name"] == run and "report_to" not in job["run"]["args"]
+        assert json.loads(environment["SNAKETRL_LIVE"]) == {run: {"report_to": "trackio"}}
         os.chdir(workdir)
+        os.environ.update(environment)
         try:
             train_run(**job)
         finally:
             os.chdir(ROOT)
+            del os.environ["SNAKETRL_LIVE"]
         states[run] = json.loads((job["out_dir"] / "trainer_state.json").read_text())
     return states
 
@@ -163,7 +168,22 @@ def test_report_to_is_checked_at_parse_time(config):
         "config: training.run_name: set by the workflow (each run's own name")
     ok = copy.deepcopy(config)
     ok["training"].update(report_to="trackio", project="my-study")
-    assert {run["args"]["report_to"] for run in resolve_runs(ok).values()} == {"trackio"}
+    runs = resolve_runs(ok)
+    live = json.loads(live_environment(ok, runs)["SNAKETRL_LIVE"])
+    assert sorted(live) == sorted(runs) and all(f == {"report_to": "trackio", "project": "my-study"}
+                                                for f in live.values())
+
+
+def test_turning_the_live_view_on_changes_no_runs_params(config):
+    """The view is no part of a result: the resolved runs (the train jobs' params and resume fingerprints) are the
+    same with it on or off, so Snakemake retrains nothing; only the environment the jobs get differs."""
+    on = copy.deepcopy(config)
+    on["training"].update(report_to="trackio", project="my-study")
+    on["runs"] = {"sft-qwen2-tiny": {"args": {"report_to": "none"}}}
+    assert resolve_runs(on) == resolve_runs(copy.deepcopy(config))
+    live = json.loads(live_environment(on, resolve_runs(on))["SNAKETRL_LIVE"])
+    assert "sft-qwen2-tiny" not in live and live["dpo-qwen2-tiny"] == {"report_to": "trackio", "project": "my-study"}
+    assert json.loads(live_environment(config, resolve_runs(config))["SNAKETRL_LIVE"]) == {}
 
 
 @pytest.mark.parametrize("trainer", sorted(REGISTRY))

@@ -10,11 +10,12 @@ classes read without importing trl. sweeps: hyperparameter grids. evaluation: th
 from snaketrl.config.checks import BATCH_DEFAULTS, GENERATION_DEFAULTS, check_reward_func, resolve_runs
 from snaketrl.config.files import corpus_files, gguf_file, local_files
 from snaketrl.config.matrix import expand_runs
-from snaketrl.config.resolve import (batching_of, canonical, chat_model, chat_prompts, length_settings, lora_args,
-                                     model_source_entry, trl_args)
+from snaketrl.config.resolve import (batching_of, canonical, chat_model, chat_prompts, length_settings,
+                                     live_environment, lora_args, model_source_entry, trl_args)
 from snaketrl.config.schema import validate, yaml_mistake
 from snaketrl.errors import ConfigError
 
 __all__ = ["BATCH_DEFAULTS", "GENERATION_DEFAULTS", "ConfigError", "batching_of", "canonical", "chat_model",
            "chat_prompts", "check_reward_func", "corpus_files", "expand_runs", "gguf_file", "length_settings",
-           "local_files", "lora_args", "model_source_entry", "resolve_runs", "trl_args", "validate", "yaml_mistake"]
+           "live_environment", "local_files", "lora_args", "model_source_entry", "resolve_runs", "trl_args",
+           "validate", "yaml_mistake"]

@@ -5,7 +5,7 @@ the resume fingerprint), each value canonical so that the same config in another
 from __future__ import annotations
 
 from snaketrl.models import remote_code
-from snaketrl.train import distributed
+from snaketrl.train import distributed, live
 from snaketrl.trainers import REGISTRY
 
 
@@ -56,7 +56,8 @@ def resolve_run(config: dict, name: str, run: dict, reward_model_entry: dict | N
         lora["modules_to_save"] = sorted({*lora.get("modules_to_save", []), "score"})
     return canonical({
         "name": name, "trainer": run["trainer"], "model": run["model"], "dataset": run["dataset"],
-        "args": trl_args(config, run), "lora": lora,
+        # The live view's fields go to the jobs in the environment (snaketrl.train.live): not a result's.
+        "args": {k: v for k, v in trl_args(config, run).items() if k not in live.FIELDS}, "lora": lora,
         "model_entry": model_entry(config["models"][run["model"]]),
         "dataset_entry": config["datasets"][run["dataset"]],
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),
@@ -103,3 +104,14 @@ def length_settings(config: dict, trainer: str, dataset: str, model: str, batch_
         **({"chat": True} if chat_prompts(config["models"][model], config["datasets"][dataset]) else {}),
         **remote_code.param(config["models"][model]),
     })
+
+
+def live_environment(config: dict, runs: dict[str, dict]) -> dict[str, str]:
+    """The environment that hands each resolved run's live-view fields (`report_to`, `project`) to its train job
+    (snaketrl.train.live.environment): the fields as the run's `training`, trainer and `runs` entry write them."""
+    def written(run):
+        entry = (config.get("runs") or {}).get(run.get("sweep") or run["group"], {})
+        return {**(config.get("training") or {}), **config["trainers"][run["trainer"]].get("args", {}),
+                **entry.get("args", {})}
+
+    return live.environment({name: written(run) for name, run in runs.items()})

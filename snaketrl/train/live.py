@@ -4,12 +4,18 @@ logs into one trackio project, named for the workflow (the working directory, or
 its snaketrl name (seeded and swept names included); the store is the workflow's own (paths.trackio()).
 docs/live-view.md says how to open it.
 
+The view is no part of a run's result: `report_to` and `project` stay out of the train jobs' params (turning the
+view on or off retrains nothing, and a cut-short run still resumes). The Snakefile hands them to the jobs in
+the environment (`environment`: SNAKETRL_LIVE, run name -> fields), where the train job's plan reads its own
+(`fields`).
+
 Pure Python: the config check calls check_report_to at parse time. trackio itself is imported only by
 transformers' TrackioCallback, in a train job that reports to it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,6 +28,22 @@ from snaketrl.errors import ConfigError, TrainingError
 REPORT_TO = ("none", "trackio")
 # A Space or server named in the environment would take the curves off this machine; the store is the workflow's.
 REMOTE = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")
+# The TRL fields of the live view, and the variable that carries each run's to its train job.
+FIELDS = ("report_to", "project")
+ENV = "SNAKETRL_LIVE"
+
+
+def environment(written: dict[str, dict]) -> dict[str, str]:
+    """SNAKETRL_LIVE for the jobs: `written` maps each run to its TRL fields as the config merges them; the runs
+    that report somewhere, with their live-view fields (none: `{}`, which also overrides one in the caller's shell)."""
+    live = {run: {k: args[k] for k in FIELDS if k in args} for run, args in written.items()
+            if reporters(args.get("report_to")) not in ([], ["none"])}
+    return {ENV: json.dumps(live, sort_keys=True)}
+
+
+def fields(run: str) -> dict:
+    """This run's live-view fields, from the environment the workflow gave its job ({}: none)."""
+    return json.loads(os.environ.get(ENV) or "{}").get(run, {})
 
 
 def reporters(value) -> list[str]:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from snaketrl.errors import TrainingError
+from snaketrl.train import live
 from snaketrl.train.args import (check_args, check_hardware, check_liger_model, check_switches, split_batch,
                                  steps_for_tokens, trl_kwargs)
 from snaketrl.train.attention import choose as choose_attention
@@ -121,8 +122,9 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     if device.name == "cuda":
         check_liger_model(run["args"], model_dir, name, run["model"])
 
-    # The processes' split of the configured (global) batch.
-    run_args, batch = split_batch(run["trainer"], run["args"], world)
+    # The processes' split of the configured (global) batch; the live view's fields, which the job's environment
+    # carries (snaketrl.train.live).
+    run_args, batch = split_batch(run["trainer"], {**run["args"], **live.fields(name)}, world)
     if world > 1 and device.name == "cpu":
         # DeepSpeed on CPUs: without a backend named, accelerate finds none and counts one process while
         # DeepSpeed's group has them all (each process would train on all the data).
