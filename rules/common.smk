@@ -14,7 +14,7 @@ from snaketrl.config import (
 from snaketrl.config import resolve
 from snaketrl.config.evaluation import eval_job_inputs
 from snaketrl.evaluate.harness import project_task_files
-from snaketrl.models import remote_code
+from snaketrl import remote_code
 from snaketrl.train import distributed
 from snaketrl.trainers import REGISTRY
 

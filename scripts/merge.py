@@ -3,7 +3,7 @@ from snaketrl.imports import start_job
 start_job()  # first: before peft or transformers load
 
 from snaketrl.models.merge import merge  # noqa: E402
-from snaketrl.models.remote_code import trusted  # noqa: E402
+from snaketrl.remote_code import trusted  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402
 
 with logged(snakemake):

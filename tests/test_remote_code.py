@@ -134,7 +134,7 @@ def test_train_merge_and_evaluate_a_model_that_ships_its_code(tmp_path, config, 
     from snaketrl.evaluate.job import evaluate
     from snaketrl.evaluate.loading import load_for_eval
     from snaketrl.models.merge import merge
-    from snaketrl.models.remote_code import TRUSTED_JUDGES
+    from snaketrl.remote_code import TRUSTED_JUDGES
     from snaketrl.train.run import train_run
 
     trained = {}

@@ -18,7 +18,7 @@ from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
 from snaketrl.evaluate.kinds import KINDS, reward_func_name, score_name
-from snaketrl.models.remote_code import TRUSTED_JUDGES, param, trusted
+from snaketrl.remote_code import TRUSTED_JUDGES, param, trusted
 from snaketrl.trainers import REGISTRY
 
 # Columns a `format` conversion produces (snaketrl.data.formats.FORMATS).

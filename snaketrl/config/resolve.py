@@ -4,7 +4,7 @@ the resume fingerprint), each value canonical so that the same config in another
 
 from __future__ import annotations
 
-from snaketrl.models import remote_code
+from snaketrl import remote_code
 from snaketrl.train import distributed, live
 from snaketrl.trainers import REGISTRY
 

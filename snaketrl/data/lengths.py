@@ -345,7 +345,7 @@ def histogram(model_dir, train_file, settings: dict, json_out, png_out, title: s
     from snaketrl.data.chat import chat_rows
     from snaketrl.imports import imports_done
     from snaketrl.io import atomic, read_jsonl, write_json
-    from snaketrl.models.remote_code import param, trusted
+    from snaketrl.remote_code import param, trusted
 
     trust = trusted(settings)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust)
@@ -380,7 +380,7 @@ def tokenize_prompt_files(model_dir, lengths_file, splits: dict) -> None:
     from snaketrl.data.chat import as_chat
     from snaketrl.imports import imports_done
     from snaketrl.io import read_json, read_jsonl, write_jsonl
-    from snaketrl.models.remote_code import trusted
+    from snaketrl.remote_code import trusted
 
     lengths = read_json(lengths_file)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trusted(lengths))

@@ -22,7 +22,7 @@ from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scor
 from snaketrl.imports import imports_done
 from snaketrl.io import read_jsonl, write_json, write_jsonl
 from snaketrl.models.merge import MERGED_FROM
-from snaketrl.models.remote_code import TRUSTED_JUDGES, trusted
+from snaketrl.remote_code import TRUSTED_JUDGES, trusted
 
 log = logging.getLogger("snaketrl.evaluate")
 

@@ -42,7 +42,7 @@ def load_for_eval(model_dir, adapter_dir=None, *, threads: int | None = None,
                   trust_remote_code: bool = False) -> Loaded:
     """Base model + LoRA adapter (peft, adapter kept separate so `reference()` gives the base without a
     second copy), or a plain/merged model. The tokenizer is the adapter's (training may have added a pad
-    token) or the model's. `trust_remote_code`: the model entry's (snaketrl.models.remote_code)."""
+    token) or the model's. `trust_remote_code`: the model entry's (snaketrl.remote_code)."""
     import torch
     import transformers
 

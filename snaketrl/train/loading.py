@@ -68,7 +68,7 @@ def load_model(model_dir, model_name: str, entry: dict, bf16: bool, task_type: s
 
 def check_reward_tokenizer(policy_tok, reward_dir, run_name: str, trust_remote_code: bool = False) -> None:
     """TRL issue 3595: PPO feeds the policy's token ids to the reward model unchanged. `trust_remote_code`: the
-    reward run's model entry's (snaketrl.models.remote_code)."""
+    reward run's model entry's (snaketrl.remote_code)."""
     from transformers import AutoTokenizer
 
     reward_tok = AutoTokenizer.from_pretrained(reward_dir, trust_remote_code=trust_remote_code)
