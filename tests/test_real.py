@@ -137,11 +137,12 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
     import sys
 
     import yaml
-    from first_tokens import check, config_for
+    from first_tokens import config_for
     from test_distributed_training import _series, _write, launch
     from test_trainers import prepare
 
     from conftest import ROOT
+    from snaketrl.config import resolve_runs
     from snaketrl.io import read_jsonl, write_json, write_jsonl
     from snaketrl.train import distributed
 
@@ -156,7 +157,7 @@ def test_label_only_logits_in_two_processes_give_one_processs_losses(smollm2, tm
         files = prepare(work, yaml.safe_load((ROOT / "config/config.yaml").read_text()), None, trainer)
         write_jsonl(read_jsonl(files["train_file"])[:8], files["train_file"])
         write_json({"max_length": 128, "chat": True, "batching_by_device": {"cpu": grouped}}, files["lengths_file"])
-        run = check(config_for("smollm2", ENTRY, trainer, steps=2))["run"]
+        run = resolve_runs(config_for("smollm2", ENTRY, trainer, steps=2))["run"]
         # fp32 on every CPU: on one with bf16 matrix units (a real model trains in bf16 there) the two process
         # counts' first SFT losses differed by 4.5e-3 (an H100 machine's Xeon, AMX), too near the percents by which
         # a wrongly normalized loss is off (below).
