@@ -23,6 +23,7 @@ from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train import training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
+from snaketrl.train.generation import merge_for_generation
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
@@ -143,7 +144,7 @@ def datasets(plan: TrainPlan, tokenizer, train_file, eval_file):
 
 def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled: bool, reward_dir, callbacks: list):
     """The run's TRL trainer with its LoRA adapter, and its forward as planned: one-pass SFT loss or DPO's
-    completion logits where `labelled`, row groups, unpadded varlen layers."""
+    completion logits where `labelled`, row groups, unpadded varlen layers, merged generation."""
     from peft import LoraConfig
 
     run, spec, args = plan.run, plan.spec, plan.args
@@ -173,6 +174,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         from snaketrl.train.cost import decoder
 
         unpad(decoder(trainer.model))
+    if plan.merged_generation:
+        merge_for_generation(trainer, run["trainer"])
     return trainer
 
 

@@ -1,0 +1,60 @@
+"""An online trainer's generation with its LoRA adapter merged into the base weights.
+
+Unmerged, every decode step runs each adapted projection's two small matmuls, its scaling and its add beside the
+base matmul. Merged (W + B A s in one matrix), a step runs the base model's matmuls only. The trained pass must
+then see the exact base weights again: peft's unmerge subtracts the delta back, which drifts in floating point
+step after step. So each merge writes into a new tensor (peft's safe_merge) and the restore puts the original
+tensor back in place: the base weights are never written.
+
+Decided in the plan (snaketrl.train.plan: `merged_generation`), applied by snaketrl.train.run.build_trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+# The method each online trainer generates with when it decodes with the policy's own generate (no vLLM): the
+# reference, reward and value passes that follow it stay outside.
+GENERATES = {"grpo": "_generate_single_turn", "rloo": "_generate_single_turn", "online_dpo": "_generate"}
+
+
+@contextlib.contextmanager
+def merged(model):
+    """`model`'s active LoRA adapters merged into their layers' base weights within; outside, the original base
+    tensors (bit for bit: the same tensors) and the adapters applied in forward again."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged]
+    kept = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.get_base_layer()
+                bias = base.bias.data if getattr(base, "bias", None) is not None else None
+                kept.append((layer, base, base.weight.data, bias))
+                layer.merge(safe_merge=True)
+                if base.weight.data.data_ptr() == kept[-1][2].data_ptr():
+                    raise RuntimeError(f"peft merged {type(layer).__name__} in place: its base weights cannot be "
+                                       f"restored exactly")
+        yield model
+    finally:
+        for layer, base, weight, bias in kept:
+            base.weight.data = weight
+            if bias is not None:
+                base.bias.data = bias
+            layer.merged_adapters.clear()  # the forward applies the adapter again
+
+
+def merge_for_generation(trainer, trainer_name: str) -> None:
+    """Patch a built GRPO, RLOO or online DPO trainer: its generation runs merged (`merged`)."""
+    name = GENERATES[trainer_name]
+    generate = getattr(trainer, name)
+
+    @functools.wraps(generate)
+    def generate_merged(*args, **kwargs):
+        with merged(trainer.accelerator.unwrap_model(trainer.model_wrapped)):
+            return generate(*args, **kwargs)
+
+    setattr(trainer, name, generate_merged)

@@ -1,0 +1,206 @@
+"""Generation with the LoRA adapter merged (snaketrl.train.generation): the tokens of TRL's unmerged generation, the
+exact base weights back for the trained pass, the same GRPO losses, and the plan's rule."""
+
+import dataclasses
+
+import learning
+import pytest
+
+from conftest import ROOT
+from snaketrl.io import read_jsonl
+from test_plan import GIB, plan_of
+from test_trainers import PER_TRAINER, prepare
+
+
+def lora_model(tiny_model_dir):
+    """The tiny model with a trained-looking adapter (B non-zero: the init's zero B makes merging a no-op), in
+    training mode as TRL samples."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    return model.train(), tokenizer
+
+
+def prompts(tokenizer, n=8):
+    rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:n]
+    return tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+
+
+def generate(model, tokenizer, inputs, **kwargs):
+    from transformers import set_seed
+
+    set_seed(0)
+    out = model.generate(**inputs, max_new_tokens=24, min_new_tokens=24, pad_token_id=tokenizer.pad_token_id,
+                         **kwargs)
+    return out[:, inputs["input_ids"].shape[1]:].tolist()
+
+
+def base_weights(model) -> dict:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m.get_base_layer().weight.detach().clone() for name, m in model.named_modules()
+            if isinstance(m, LoraLayer)}
+
+
+def test_merged_generation_gives_the_unmerged_tokens(tiny_model_dir):
+    """Greedy: the same tokens. Sampling with the same seed: the same tokens (measured here: all 8 rows x 24)."""
+    from snaketrl.train.generation import merged
+
+    model, tokenizer = lora_model(tiny_model_dir)
+    inputs = prompts(tokenizer)
+    for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}):
+        unmerged = generate(model, tokenizer, inputs, **sampling)
+        with merged(model):
+            assert all(layer.merged for layer in lora_layers(model))
+            tokens = generate(model, tokenizer, inputs, **sampling)
+        assert tokens == unmerged, sampling
+        with model.disable_adapter():  # the adapter changes what is generated: the comparison above is not moot
+            assert generate(model, tokenizer, inputs, **sampling) != unmerged, sampling
+
+
+def lora_layers(model):
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def test_the_base_weights_come_back_bit_for_bit_after_every_generation(tiny_model_dir):
+    """Generate merged, train a step, three times over: the base weights are those before, bit for bit, and the
+    trained pass runs the adapter (the forward's logits and the adapter's gradients of an unmerged model)."""
+    import torch
+
+    from snaketrl.train.generation import merged
+
+    model, tokenizer = lora_model(tiny_model_dir)
+    inputs = prompts(tokenizer)
+    before = base_weights(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(3):
+        expected = model(**inputs).logits
+        with merged(model):
+            merged_weights = base_weights(model)
+            generate(model, tokenizer, inputs, do_sample=True, temperature=0.7)
+        assert not any(layer.merged for layer in lora_layers(model))
+        after = base_weights(model)
+        assert all(torch.equal(after[name], weight) for name, weight in before.items())
+        assert not any(torch.equal(merged_weights[name], weight) for name, weight in before.items())
+        logits = model(**inputs).logits
+        assert torch.equal(logits, expected)
+        optimizer.zero_grad()
+        logits.float().logsumexp(-1).mean().backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_" in n)
+        optimizer.step()
+
+
+def test_an_interrupted_generation_restores_the_base_weights(tiny_model_dir):
+    import torch
+
+    from snaketrl.train.generation import merged
+
+    model, _ = lora_model(tiny_model_dir)
+    before = base_weights(model)
+    with pytest.raises(KeyboardInterrupt), merged(model):
+        raise KeyboardInterrupt
+    assert not any(layer.merged for layer in lora_layers(model))
+    assert all(torch.equal(base_weights(model)[name], weight) for name, weight in before.items())
+
+
+# Generation batches in 2 steps and the evaluation of 4 eval rows: GRPO's and RLOO's a step and 2 evaluation batches,
+# online DPO's a step (it has no evaluation). The first step's adapter is LoRA's init (B zero), the rest trained.
+GENERATIONS = {"grpo": 2 + 2, "rloo": 2 + 2, "online_dpo": 2}
+LOGGED = {"grpo": ("loss", "reward", "rewards/unique_chars/mean"), "rloo": ("loss", "reward"),
+          "online_dpo": ("loss", "objective/scores")}
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "online_dpo"])
+def test_online_trainers_train_with_merged_generation_as_on_trls_path(tmp_path, config, tiny_model_dir, monkeypatch,
+                                                                      trainer):
+    """Two steps through train_run, TRL's generation against the merged one (forced on: the plan keeps a tiny
+    model on TRL's path): every generation merged, the same losses and rewards, and the same adapter."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    import snaketrl.train.generation as generation
+    import snaketrl.train.run as run_module
+    from snaketrl.train.run import train_run
+
+    entries, outs, metrics = [], {}, {}
+    for merge in (False, True):
+        (tmp_path / str(merge)).mkdir()
+        inputs = prepare(tmp_path / str(merge), config, tiny_model_dir, trainer,
+                         args={**PER_TRAINER.get(trainer, {}), "max_steps": 2})
+        if merge:
+            plan_run, merged = run_module.plan_run, generation.merged
+            monkeypatch.setattr(run_module, "plan_run", lambda *a, **k: dataclasses.replace(
+                plan_run(*a, **k), merged_generation=True))
+            monkeypatch.setattr(generation, "merged", lambda model: entries.append(model) or merged(model))
+        metrics[merge], outs[merge] = train_run(**inputs), inputs["out_dir"]
+    assert len(entries) == GENERATIONS[trainer]
+    evaluated = sorted(key for key in metrics[False] if key.startswith("eval_") and "runtime" not in key
+                       and "per_second" not in key)
+    assert [metrics[True][k] for k in evaluated] == pytest.approx([metrics[False][k] for k in evaluated], rel=1e-5,
+                                                                  abs=1e-6)
+    assert "merged_generation" not in metrics[False] and metrics[True]["merged_generation"] is True
+    states = {merge: json.loads((out / "trainer_state.json").read_text()) for merge, out in outs.items()}
+    for key in LOGGED[trainer]:
+        plain = learning.logged(states[False], key)
+        assert len(plain) == 2 and learning.logged(states[True], key) == pytest.approx(plain, rel=1e-5, abs=1e-6), key
+    adapters = [load_file(out / "adapter" / "adapter_model.safetensors") for out in outs.values()]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.allclose(adapters[0][k], adapters[1][k], rtol=0, atol=1e-6) for k in adapters[0])
+
+
+def cpu(gib=64):
+    from snaketrl.train.plan import Device
+
+    return Device("cpu", False, gib * GIB)
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "online_dpo"])
+def test_the_plan_merges_an_online_trainers_generation_on_a_cpu_for_a_real_model(tmp_path, config, tiny_model_dir,
+                                                                                 trainer):
+    job, tiny = plan_of(tmp_path / "tiny", config, tiny_model_dir, trainer, cpu())
+    real = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}  # a real model's entry
+    _, plan = plan_of(tmp_path / "real", config, tiny_model_dir, trainer, cpu(), run={"model_entry": real})
+    assert plan.merged_generation is True and plan.report()["merged_generation"] is True
+    assert any(note.startswith("generation with the LoRA adapter merged: ") for note in plan.notes)
+    assert tiny.merged_generation is False and "merged_generation" not in tiny.report()
+
+
+@pytest.mark.parametrize("change", [{"lora": {"lora_dropout": 0.05}}, {"lora": {"use_dora": True}},
+                                    {"model_entry": {"quantization": "4bit"}}, {"trainer": "ppo"},
+                                    {"trainer": "sft"}, {"args": {"bf16": True}}, {"args": {"fp16": True}},
+                                    {"args": {"use_vllm": True}}])
+def test_the_plan_keeps_trls_generation_where_merged_would_differ(change):
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import merges_for_generation
+
+    run = {"trainer": "grpo", "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0}, "model_entry": {"gguf": {}},
+           "args": {"bf16": False, "fp16": False, "use_vllm": False}}
+    assert merges_for_generation(run, "cpu", SimpleNamespace(**run["args"]), sharded=False)[0] is True
+    changed = {**run, **{k: ({**run[k], **v} if isinstance(v, dict) else v) for k, v in change.items()}}
+    assert merges_for_generation(changed, "cpu", SimpleNamespace(**changed["args"]), sharded=False)[0] is False
+
+
+def test_the_plan_keeps_trls_generation_on_a_gpu_and_for_sharded_weights():
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import merges_for_generation
+
+    run = {"trainer": "rloo", "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0}, "model_entry": {"gguf": {}}}
+    args = SimpleNamespace(bf16=False, fp16=False, use_vllm=False)
+    assert merges_for_generation(run, "cpu", args, sharded=False)[0] is True
+    assert merges_for_generation(run, "cpu", args, sharded=True)[0] is False
+    assert merges_for_generation(run, "cuda", args, sharded=False)[0] is False  # not measured on a GPU
