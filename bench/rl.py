@@ -19,13 +19,16 @@ Each optimizer step's wall time is split into
                 small when the seams cover the step (tests/test_bench_rl.py checks it)
 by wrapping those methods on the trainer's class in the arm's own process (an override in a subclass is timed
 through its call of the base's). Prints, per arm, the mean of the steps after the first (the first pays one-off
-costs) for the best seed (other load on a shared machine only slows a run down), completions per step second,
+costs) for the best seed (other load on a shared machine only slows a run down) with its CPU seconds (with one
+thread the steadier measure there: other load stretches wall time, not a one-thread process's CPU time), completions
+per step second,
 generated tokens per generation second, trained real (non-pad) tokens per trained-pass second, peak RSS, each
 seed's reward curve (mean reward of each step's completions) and the arm's mean reward against `trl`'s with its
 standard error over seeds; then the ratios against `trl`. --out writes every number (each step of each seed).
 
     python bench/rl.py --steps 3 --seeds 1 2 --threads 1 --out rl.json    # the CPU table (docs/real-model.md)
     python bench/rl.py --runs grpo-smollm2 --arms trl-tuned trl-tuned-cb --steps 3 --threads 1   # which is faster
+    python bench/rl.py --table rl.json                                        # the table again, from --out's file
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from efficiency import base_model, length_settings, load_config, prepared  # noqa: E402
+from efficiency import base_model, length_settings, load_config, prepared, run_worker  # noqa: E402
 
 ARMS = ("trl", "trl-tuned", "trl-tuned-cb", "snaketrl")
 DEFAULT_ARMS = ("trl", "trl-tuned", "snaketrl")
@@ -212,15 +214,11 @@ def worker(job_file: str) -> None:
 
 
 def measure(job: dict) -> dict:
-    Path(job["work"]).mkdir(parents=True, exist_ok=True)
-    job_file = Path(job["work"]) / "job.json"
-    job_file.write_text(json.dumps(job, default=str))
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        print(f"{job['run']['name']} {job['arm']} seed {job['seed']} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return {"arm": job["arm"], "seed": job["seed"], "failed": proc.stderr.strip().splitlines()[-1:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    result, stderr = run_worker(__file__, job)
+    if result is None:
+        print(f"{job['run']['name']} {job['arm']} seed {job['seed']} failed:\n{stderr[-3000:]}", file=sys.stderr)
+        return {"arm": job["arm"], "seed": job["seed"], "failed": stderr.strip().splitlines()[-1:]}
+    return result
 
 
 def seed_summary(result: dict) -> dict:
@@ -255,7 +253,7 @@ def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
     for arm, rs in results.items():
         failed = [r for r in rs if "failed" in r]
         if failed:
-            rows.append(f"| {name} | {arm} | failed: {' '.join(failed[0]['failed'])} |" + " |" * 10)
+            rows.append(f"| {name} | {arm} | failed: {' '.join(failed[0]['failed'])} |" + " |" * 11)
             continue
         seeds = [seed_summary(r) for r in rs]
         best[arm] = min(seeds, key=lambda s: s["step_s"])
@@ -265,7 +263,8 @@ def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
         curves = "; ".join(" ".join(f"{x:.2f}" for x in s["rewards"]) for s in seeds)
         change = "" if arm == "trl" or "trl" not in best else reward_change(
             [s["rewards"] for s in seeds], [seed_summary(x)["rewards"] for x in results["trl"]])
-        rows.append(f"| {name} | {arm} ({how}) | {b['step_s']:.1f} | {b['generation_s']:.1f} | {b['scoring_s']:.1f} "
+        rows.append(f"| {name} | {arm} ({how}) | {b['step_s']:.1f} | {b['cpu_s']:.1f} | {b['generation_s']:.1f} "
+                    f"| {b['scoring_s']:.2f} "
                     f"| {b['trained_s']:.1f} | {b['other_s']:.2f} | {b['completions_per_s']:.3f} "
                     f"| {b['generated_tokens_per_s']:.1f} | {b['trained_tokens_per_s']:.0f} | {b['peak_rss_mb']:.0f} "
                     f"| {curves} | {change} |")
@@ -274,7 +273,7 @@ def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
         for arm, b in best.items():
             if arm != "trl":
                 rows.append(f"| {name} | **{arm} / trl** | **{base['step_s'] / b['step_s']:.2f}×** "
-                            f"| {base['generation_s'] / b['generation_s']:.2f}× "
+                            f"| **{base['cpu_s'] / b['cpu_s']:.2f}×** | {base['generation_s'] / b['generation_s']:.2f}× "
                             f"| {base['scoring_s'] / b['scoring_s']:.2f}× | {base['trained_s'] / b['trained_s']:.2f}× | "
                             f"| {b['completions_per_s'] / base['completions_per_s']:.2f}× "
                             f"| {b['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}× "
@@ -283,9 +282,9 @@ def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
     return rows, best
 
 
-HEADER = ["| run | arm | step (s) | generation (s) | scoring (s) | trained pass (s) | other (s) | completions/s "
+HEADER = ["| run | arm | step (s) | CPU (s) | generation (s) | scoring (s) | trained pass (s) | other (s) | completions/s "
           "| generated tokens/s | trained tokens/s | peak RSS (MB) | reward per step (each seed) | mean reward vs trl |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def main(argv=None) -> None:
@@ -298,10 +297,17 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-rl"))
     ap.add_argument("--out", type=Path, help="a JSON file: every arm's settings and steps, and the table's numbers")
+    ap.add_argument("--table", type=Path, help="print the table again from a file --out wrote (measures nothing)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     if opts.worker:
         return worker(opts.worker)
+    if opts.table:
+        report = json.loads(opts.table.read_text())
+        print(f"device: {report['device']}")
+        print("\n".join(HEADER + [row for name, run in report["runs"].items()
+                                   for row in table(name, run["results"])[0]]))
+        return
 
     import contextlib
     import os
