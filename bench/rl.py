@@ -82,13 +82,12 @@ class StepSplit:
             step = split.current
             if step is None:
                 return method(trainer, *args, **kwargs)
-            started = time.perf_counter()
+            started = clocks()
             out = method(trainer, *args, **kwargs)
-            seconds = time.perf_counter() - started
             key = name
             if name == "_get_per_token_logps_and_entropies":  # the loss's forward has gradients; scoring's none
                 key = "logps_no_grad" if not torch.is_grad_enabled() else "logps_grad"
-            step[key] = step.get(key, 0.0) + seconds
+            add(step, key, started)
             if name == "_calculate_rewards":  # (completions x functions), NaN where a function gave none
                 weights = trainer.reward_weights.to(out.device).unsqueeze(0)
                 step["rewards"] += (out * weights).nansum(dim=1).tolist()
@@ -111,30 +110,53 @@ class StepSplit:
         class Clock(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
                 split.current = {"completions": 0, "generated_tokens": 0, "trained_tokens": 0, "at_cap": 0,
-                                 "rewards": [], "started": time.perf_counter(), "cpu_started": time.process_time()}
+                                 "rewards": [], "started": clocks()}
 
             def on_pre_optimizer_step(self, args, state, control, **kwargs):
-                split.current["optimizer_started"] = time.perf_counter()
+                split.current["optimizer_started"] = clocks()
 
             def on_optimizer_step(self, args, state, control, **kwargs):
-                split.current["optimizer"] = time.perf_counter() - split.current.pop("optimizer_started")
+                add(split.current, "optimizer", split.current.pop("optimizer_started"))
 
             def on_step_end(self, args, state, control, **kwargs):
                 step, split.current = split.current, None
-                split.steps.append(summarize_step(step, time.perf_counter() - step.pop("started"),
-                                                  time.process_time() - step.pop("cpu_started")))
+                add(step, "step", step.pop("started"))
+                split.steps.append(summarize_step(step))
 
         return Clock()
 
 
-def summarize_step(raw: dict, wall: float, cpu: float) -> dict:
-    """One step's record: its parts in seconds, what it generated and trained, its mean reward."""
-    generation = raw.get("_generate", 0.0)
-    scoring = raw.get("_generate_and_score_completions", 0.0) - generation
-    trained = raw.get("training_step", 0.0) - raw.get("_prepare_inputs", 0.0) + raw.get("optimizer", 0.0)
+def clocks() -> tuple[float, float]:
+    """Wall and CPU seconds of this process: with one thread on a shared machine the CPU seconds are the steadier
+    measure (other load stretches wall time, not a one-thread process's CPU time)."""
+    return time.perf_counter(), time.process_time()
+
+
+def add(step: dict, key: str, started: tuple[float, float]) -> None:
+    """Add the wall and CPU seconds since `started` to the step's `key` (wall) and `key@cpu` (CPU)."""
+    now = clocks()
+    step[key] = step.get(key, 0.0) + now[0] - started[0]
+    step[f"{key}@cpu"] = step.get(f"{key}@cpu", 0.0) + now[1] - started[1]
+
+
+def parts(raw: dict, clock: str = "") -> dict:
+    """The step's parts on one clock ("" wall, "@cpu" CPU): generation, scoring, trained pass, and what they leave."""
+    def t(key):
+        return raw.get(key + clock, 0.0)
+
+    generation = t("_generate")
+    scoring = t("_generate_and_score_completions") - generation
+    trained = t("training_step") - t("_prepare_inputs") + t("optimizer")
+    return {"generation": generation, "scoring": scoring, "trained": trained,
+            "other": t("step") - generation - scoring - trained}
+
+
+def summarize_step(raw: dict) -> dict:
+    """One step's record: its parts in wall and CPU seconds, what it generated and trained, its mean reward."""
     rewards = raw["rewards"]
-    return {"step_s": wall, "cpu_s": cpu, "generation_s": generation, "scoring_s": scoring, "trained_s": trained,
-            "other_s": wall - generation - scoring - trained,
+    return {"step_s": raw["step"], "cpu_s": raw["step@cpu"],
+            **{f"{part}_s": seconds for part, seconds in parts(raw).items()},
+            **{f"{part}_cpu_s": seconds for part, seconds in parts(raw, "@cpu").items()},
             "rewards_s": raw.get("_calculate_rewards", 0.0), "logps_s": raw.get("logps_no_grad", 0.0),
             "optimizer_s": raw.get("optimizer", 0.0),
             "completions": raw["completions"], "generated_tokens": raw["generated_tokens"],
@@ -222,11 +244,10 @@ def measure(job: dict) -> dict:
 
 
 def seed_summary(result: dict) -> dict:
-    """One seed's rates over its steps after the first (all of them when there is one)."""
+    """One seed's means per step over its steps after the first (all of them when there is one), and its rates."""
     steps = result["steps"][1:] or result["steps"]
     total = {key: sum(s[key] for s in steps) for key in steps[0] if key != "reward"}
-    n = len(steps)
-    return {**{f"{part}_s": total[f"{part}_s"] / n for part in (*PARTS, "step", "cpu", "rewards", "logps")},
+    return {**{key: value / len(steps) for key, value in total.items() if key.endswith("_s")},
             "completions_per_s": total["completions"] / total["step_s"],
             "generated_tokens_per_s": total["generated_tokens"] / total["generation_s"],
             "trained_tokens_per_s": total["trained_tokens"] / total["trained_s"],
@@ -248,7 +269,15 @@ def reward_change(rewards: list[list[float]], base: list[list[float]]) -> str:
 
 
 def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
-    """Markdown rows of one run (each arm's best seed, then ratios to `trl`) and the summaries they show."""
+    """Markdown rows of one run (each arm's seed of fewest CPU seconds a step, then ratios to `trl`) and the
+    summaries they show. A part reads `wall / CPU` seconds where the steps were timed on both clocks."""
+    def part(b, key):
+        return f"{b[key + '_s']:.2f} / {b[key + '_cpu_s']:.2f}" if key + "_cpu_s" in b else f"{b[key + '_s']:.2f}"
+
+    def faster(base, b, key):  # on the CPU clock where both have it
+        key += "_cpu_s" if key + "_cpu_s" in base and key + "_cpu_s" in b else "_s"
+        return f"{base[key] / b[key]:.2f}×"
+
     rows, best = [], {}
     for arm, rs in results.items():
         failed = [r for r in rs if "failed" in r]
@@ -256,25 +285,24 @@ def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
             rows.append(f"| {name} | {arm} | failed: {' '.join(failed[0]['failed'])} |" + " |" * 11)
             continue
         seeds = [seed_summary(r) for r in rs]
-        best[arm] = min(seeds, key=lambda s: s["step_s"])
+        best[arm] = min(seeds, key=lambda s: s["cpu_s"])
         b, r = best[arm], rs[0]
         how = (f"checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
                f"{'bf16' if r['bf16'] else 'fp32'}{', continuous batching' if r['continuous_batching'] else ''}")
         curves = "; ".join(" ".join(f"{x:.2f}" for x in s["rewards"]) for s in seeds)
         change = "" if arm == "trl" or "trl" not in best else reward_change(
             [s["rewards"] for s in seeds], [seed_summary(x)["rewards"] for x in results["trl"]])
-        rows.append(f"| {name} | {arm} ({how}) | {b['step_s']:.1f} | {b['cpu_s']:.1f} | {b['generation_s']:.1f} "
-                    f"| {b['scoring_s']:.2f} "
-                    f"| {b['trained_s']:.1f} | {b['other_s']:.2f} | {b['completions_per_s']:.3f} "
-                    f"| {b['generated_tokens_per_s']:.1f} | {b['trained_tokens_per_s']:.0f} | {b['peak_rss_mb']:.0f} "
-                    f"| {curves} | {change} |")
+        rows.append(f"| {name} | {arm} ({how}) | {b['step_s']:.1f} | {b['cpu_s']:.1f} | {part(b, 'generation')} "
+                    f"| {part(b, 'scoring')} | {part(b, 'trained')} | {part(b, 'other')} "
+                    f"| {b['completions_per_s']:.3f} | {b['generated_tokens_per_s']:.1f} "
+                    f"| {b['trained_tokens_per_s']:.0f} | {b['peak_rss_mb']:.0f} | {curves} | {change} |")
     if "trl" in best:
         base = best["trl"]
         for arm, b in best.items():
             if arm != "trl":
-                rows.append(f"| {name} | **{arm} / trl** | **{base['step_s'] / b['step_s']:.2f}×** "
-                            f"| **{base['cpu_s'] / b['cpu_s']:.2f}×** | {base['generation_s'] / b['generation_s']:.2f}× "
-                            f"| {base['scoring_s'] / b['scoring_s']:.2f}× | {base['trained_s'] / b['trained_s']:.2f}× | "
+                rows.append(f"| {name} | **{arm} / trl** | {base['step_s'] / b['step_s']:.2f}× "
+                            f"| **{base['cpu_s'] / b['cpu_s']:.2f}×** | {faster(base, b, 'generation')} "
+                            f"| {faster(base, b, 'scoring')} | {faster(base, b, 'trained')} | "
                             f"| {b['completions_per_s'] / base['completions_per_s']:.2f}× "
                             f"| {b['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}× "
                             f"| {b['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}× "
