@@ -7,10 +7,11 @@ steps, completion cap, generations per prompt, batch, learning rate and sampling
   trl           TRL's GRPOTrainer / RLOOTrainer written plainly, with its defaults for everything else (activation
                 checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
   trl-tuned     what a user who tunes TRL writes: activation checkpointing off, generation by model.generate
-  trl-tuned-cb  the same with use_transformers_continuous_batching=True (on this bench's CPU the slower of the two:
-                see docs; run it to measure again)
+  trl-tuned-cb  the same with use_transformers_continuous_batching=True (on a 2-core EPYC the slower of the two,
+                docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
   snaketrl      the workflow's train_run on the run as the config resolves it, with the length stage's choice
-Each optimizer step's wall time is split into
+Each optimizer step is timed on the wall clock and on the process's CPU clock (with one thread on a shared machine
+the steadier measure: other load stretches wall time, not a one-thread process's CPU time), and split into
   generation    TRL's `_generate` (sampling the completions)
   scoring       the rest of `_generate_and_score_completions`: reward functions (`_calculate_rewards`, a reward model
                 among them), the no-gradient log-probabilities (old and reference policy), advantages, bookkeeping
@@ -18,13 +19,12 @@ Each optimizer step's wall time is split into
   other         what the three leave of the step (gradient clipping, the scheduler, callbacks, splitting the batch):
                 small when the seams cover the step (tests/test_bench_rl.py checks it)
 by wrapping those methods on the trainer's class in the arm's own process (an override in a subclass is timed
-through its call of the base's). Prints, per arm, the mean of the steps after the first (the first pays one-off
-costs) for the best seed (other load on a shared machine only slows a run down) with its CPU seconds (with one
-thread the steadier measure there: other load stretches wall time, not a one-thread process's CPU time), completions
-per step second,
-generated tokens per generation second, trained real (non-pad) tokens per trained-pass second, peak RSS, each
+through its call of the base's). Prints, per arm, the means of the steps after the first (the first pays one-off
+costs) for the seed of fewest CPU seconds a step: step and parts (wall / CPU), completions per step second,
+generated tokens per generation second, trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each
 seed's reward curve (mean reward of each step's completions) and the arm's mean reward against `trl`'s with its
-standard error over seeds; then the ratios against `trl`. --out writes every number (each step of each seed).
+standard error over seeds; then the ratios against `trl` (parts on the CPU clock). --out writes every number (each
+step of each seed).
 
     python bench/rl.py --steps 3 --seeds 1 2 --threads 1 --out rl.json    # the CPU table (docs/real-model.md)
     python bench/rl.py --runs grpo-smollm2 --arms trl-tuned trl-tuned-cb --steps 3 --threads 1   # which is faster
