@@ -178,16 +178,25 @@ def worker(job_file: str) -> None:
         "steps": json.loads((work / "out" / "trainer_state.json").read_text())["global_step"]}), flush=True)
 
 
-def measure(job: dict) -> dict:
+def run_worker(script: str, job: dict) -> tuple[dict | None, str]:
+    """`script --worker` on `job` in a process of its own (written into the job's work dir): the JSON of its
+    last RESULT line, None where it failed, and its stderr."""
     Path(job["work"]).mkdir(parents=True, exist_ok=True)
     job_file = Path(job["work"]) / "job.json"
     job_file.write_text(json.dumps(job, default=str))
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, script, "--worker", str(job_file)], capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
+        return None, proc.stderr
+    return json.loads(lines[-1][len("RESULT "):]), proc.stderr
+
+
+def measure(job: dict) -> dict:
+    result, stderr = run_worker(__file__, job)
+    if result is None:
         sys.exit(f"{job['run']['name']} ({job['settings']['batching']}, seed {job['seed']}) failed:\n"
-                 f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+                 f"{stderr[-3000:]}")
+    return result
 
 
 def spread(values: list[float]) -> str:

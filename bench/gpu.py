@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from efficiency import (  # noqa: E402
     load_config,
     loss_change,
     prepared,
+    run_worker,
     spread,
 )
 
@@ -209,17 +209,13 @@ def worker(job_file: str) -> None:
 
 
 def measure(job: dict) -> dict:
-    Path(job["work"]).mkdir(parents=True, exist_ok=True)
-    job_file = Path(job["work"]) / "job.json"
-    job_file.write_text(json.dumps(job, default=str))
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(job_file)], capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        out_of_memory = "OutOfMemoryError" in proc.stderr
+    result, stderr = run_worker(__file__, job)
+    if result is None:
+        out_of_memory = "OutOfMemoryError" in stderr
         print(f"{job['run']['name']} {job['arm']} seed {job['seed']} failed"
-              f"{' (out of memory)' if out_of_memory else ''}:\n{proc.stderr[-2000:]}", file=sys.stderr)
+              f"{' (out of memory)' if out_of_memory else ''}:\n{stderr[-2000:]}", file=sys.stderr)
         return {"arm": job["arm"], "failed": "out of memory" if out_of_memory else "error"}
-    return json.loads(lines[-1][len("RESULT "):])
+    return result
 
 
 def table(name: str, results: dict[str, list[dict]]) -> list[str]:

@@ -1,0 +1,380 @@
+"""Online RL as a user writes it in TRL, against snaketrl's job, step by step, in one run.
+
+For every online run of the config (bench/rl.yaml: GRPO and RLOO on SmolLM2-135M-Instruct, 16 completions of at
+most 64 tokens a step) and every seed, --steps optimizer steps in a process of its own for each arm, every arm with
+the same model, prompts (the workflow's rows, as chat turns where it gives them so), reward functions, LoRA, seed,
+steps, completion cap, generations per prompt, batch, learning rate and sampling temperature:
+  trl           TRL's GRPOTrainer / RLOOTrainer written plainly, with its defaults for everything else (activation
+                checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
+  trl-tuned     what a user who tunes TRL writes: activation checkpointing off, generation by model.generate
+  trl-tuned-cb  the same with use_transformers_continuous_batching=True (on a 2-core EPYC the slower of the two,
+                docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
+  snaketrl      the workflow's train_run on the run as the config resolves it, with the length stage's choice
+Each optimizer step is timed on the wall clock and on the process's CPU clock (with one thread on a shared machine
+the steadier measure: other load stretches wall time, not a one-thread process's CPU time), and split into
+  generation    TRL's `_generate` (sampling the completions)
+  scoring       the rest of `_generate_and_score_completions`: reward functions (`_calculate_rewards`, a reward model
+                among them), the no-gradient log-probabilities (old and reference policy), advantages, bookkeeping
+  trained pass  `training_step` less its `_prepare_inputs` (forward and backward of the loss), plus the optimizer step
+  other         what the three leave of the step (gradient clipping, the scheduler, callbacks, splitting the batch):
+                small when the seams cover the step (tests/test_bench_rl.py checks it)
+by wrapping those methods on the trainer's class in the arm's own process (an override in a subclass is timed
+through its call of the base's). Prints, per arm, the means of the steps after the first (the first pays one-off
+costs) for the seed of fewest CPU seconds a step: step and parts (wall / CPU), completions per step second,
+generated tokens per generation second, trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each
+seed's reward curve (mean reward of each step's completions) and the arm's mean reward against `trl`'s with its
+standard error over seeds; then the ratios against `trl` (parts on the CPU clock). --out writes every number (each
+step of each seed).
+
+    python bench/rl.py --steps 3 --seeds 1 2 --threads 1 --out rl.json    # the CPU table (docs/real-model.md)
+    python bench/rl.py --runs grpo-smollm2 --arms trl-tuned trl-tuned-cb --steps 3 --threads 1   # which is faster
+    python bench/rl.py --table rl.json                                        # the table again, from --out's file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from efficiency import base_model, length_settings, load_config, prepared, run_worker  # noqa: E402
+
+ARMS = ("trl", "trl-tuned", "trl-tuned-cb", "snaketrl")
+DEFAULT_ARMS = ("trl", "trl-tuned", "snaketrl")
+TUNED = {"trl-tuned": {"activation_checkpointing": False},
+         "trl-tuned-cb": {"activation_checkpointing": False, "use_transformers_continuous_batching": True}}
+ONLINE = ("grpo", "rloo")  # trainers whose steps go through TRL's _generate_and_score_completions
+PARTS = ("generation", "scoring", "trained", "other")
+
+
+class StepSplit:
+    """Wall seconds of each optimizer step and of its parts, and what the step generated, scored and trained.
+
+    `wrap(cls)` times the trainer class's seams; `callback()` opens and closes each step. Calls outside a step
+    (the end-of-training evaluation) are not counted."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.current: dict | None = None
+
+    def wrap(self, cls) -> None:
+        for name in ("_generate", "_generate_and_score_completions", "_prepare_inputs", "training_step",
+                     "_calculate_rewards", "_get_per_token_logps_and_entropies"):
+            setattr(cls, name, self.timed(getattr(cls, name), name))
+
+    def timed(self, method, name: str):
+        import functools
+
+        import torch
+
+        split = self
+
+        @functools.wraps(method)
+        def timed(trainer, *args, **kwargs):
+            step = split.current
+            if step is None:
+                return method(trainer, *args, **kwargs)
+            started = clocks()
+            out = method(trainer, *args, **kwargs)
+            key = name
+            if name == "_get_per_token_logps_and_entropies":  # the loss's forward has gradients; scoring's none
+                key = "logps_no_grad" if not torch.is_grad_enabled() else "logps_grad"
+            add(step, key, started)
+            if name == "_calculate_rewards":  # (completions x functions), NaN where a function gave none
+                weights = trainer.reward_weights.to(out.device).unsqueeze(0)
+                step["rewards"] += (out * weights).nansum(dim=1).tolist()
+            elif name == "_generate_and_score_completions":
+                lengths = out["completion_mask"].sum(dim=1)
+                step["completions"] += int(lengths.numel())
+                step["generated_tokens"] += int(lengths.sum())
+                step["at_cap"] += int((lengths >= trainer.max_completion_length).sum())
+            elif name == "_prepare_inputs" and trainer.model.training:
+                step["trained_tokens"] += int(out["prompt_mask"].sum() + out["completion_mask"].sum())
+            return out
+
+        return timed
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        split = self
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                split.current = {"completions": 0, "generated_tokens": 0, "trained_tokens": 0, "at_cap": 0,
+                                 "rewards": [], "started": clocks()}
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                split.current["optimizer_started"] = clocks()
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                add(split.current, "optimizer", split.current.pop("optimizer_started"))
+
+            def on_step_end(self, args, state, control, **kwargs):
+                step, split.current = split.current, None
+                add(step, "step", step.pop("started"))
+                split.steps.append(summarize_step(step))
+
+        return Clock()
+
+
+def clocks() -> tuple[float, float]:
+    """Wall and CPU seconds of this process: with one thread on a shared machine the CPU seconds are the steadier
+    measure (other load stretches wall time, not a one-thread process's CPU time)."""
+    return time.perf_counter(), time.process_time()
+
+
+def add(step: dict, key: str, started: tuple[float, float]) -> None:
+    """Add the wall and CPU seconds since `started` to the step's `key` (wall) and `key@cpu` (CPU)."""
+    now = clocks()
+    step[key] = step.get(key, 0.0) + now[0] - started[0]
+    step[f"{key}@cpu"] = step.get(f"{key}@cpu", 0.0) + now[1] - started[1]
+
+
+def parts(raw: dict, clock: str = "") -> dict:
+    """The step's parts on one clock ("" wall, "@cpu" CPU): generation, scoring, trained pass, and what they leave."""
+    def t(key):
+        return raw.get(key + clock, 0.0)
+
+    generation = t("_generate")
+    scoring = t("_generate_and_score_completions") - generation
+    trained = t("training_step") - t("_prepare_inputs") + t("optimizer")
+    return {"generation": generation, "scoring": scoring, "trained": trained,
+            "other": t("step") - generation - scoring - trained}
+
+
+def summarize_step(raw: dict) -> dict:
+    """One step's record: its parts in wall and CPU seconds, what it generated and trained, its mean reward."""
+    rewards = raw["rewards"]
+    return {"step_s": raw["step"], "cpu_s": raw["step@cpu"],
+            **{f"{part}_s": seconds for part, seconds in parts(raw).items()},
+            **{f"{part}_cpu_s": seconds for part, seconds in parts(raw, "@cpu").items()},
+            "rewards_s": raw.get("_calculate_rewards", 0.0), "logps_s": raw.get("logps_no_grad", 0.0),
+            "optimizer_s": raw.get("optimizer", 0.0),
+            "completions": raw["completions"], "generated_tokens": raw["generated_tokens"],
+            "trained_tokens": raw["trained_tokens"], "at_cap": raw["at_cap"],
+            "reward": statistics.fmean(rewards) if rewards else None}
+
+
+def plain_trl(job: dict, callbacks: list) -> dict:
+    """The user's alternative: TRL's trainer with its defaults, the shared settings and the arm's tuning."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snaketrl.data.chat import as_chat
+    from snaketrl.io import read_jsonl
+    from snaketrl.rewards import resolve
+    from snaketrl.trainers import REGISTRY, load
+
+    run, spec = job["run"], REGISTRY[job["run"]["trainer"]]
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()  # TRL's default, which it refuses on a CPU
+    config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"],
+                               **{"bf16": bf16, **run["args"], **job["schedule"], **TUNED.get(job["arm"], {})})
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
+    rows = read_jsonl(job["train"])
+    trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
+                                 reward_funcs=resolve(run["reward_funcs"]),
+                                 train_dataset=Dataset.from_list(as_chat(rows) if run.get("chat") else rows),
+                                 peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=callbacks)
+    trainer.train()
+    return {"activation_checkpointing": config.activation_checkpointing, "bf16": config.bf16,
+            "continuous_batching": config.use_transformers_continuous_batching}
+
+
+def snaketrl_job(job: dict, callbacks: list) -> dict:
+    from snaketrl.data.lengths import histogram
+    from snaketrl.train.run import train_run
+
+    work = Path(job["work"])
+    histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
+              job["run"]["name"])
+    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **job["schedule"]}}
+    metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
+                        lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
+                        threads=job.get("threads"), callbacks=callbacks)
+    manifest = json.loads((work / "out" / "manifest.json").read_text())["trl_args"]
+    return {"activation_checkpointing": metrics["activation_checkpointing"], "bf16": manifest["bf16"],
+            "continuous_batching": manifest["use_transformers_continuous_batching"]}
+
+
+def worker(job_file: str) -> None:
+    """Some steps of one (run, seed, arm); prints one JSON line."""
+    import torch
+
+    from snaketrl.manifest import cpu_model
+    from snaketrl.trainers import REGISTRY, load
+
+    job = json.loads(Path(job_file).read_text())
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    if job["arm"] == "snaketrl":
+        from snaketrl.processes import keep_freed_memory
+
+        keep_freed_memory()  # as every training-side job does (snaketrl.imports.start_job)
+    split = StepSplit()
+    split.wrap(load(REGISTRY[job["run"]["trainer"]].trainer))
+    settings = (snaketrl_job if job["arm"] == "snaketrl" else plain_trl)(job, [split.callback()])
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    print("RESULT " + json.dumps({
+        "arm": job["arm"], "seed": job["seed"], "device": f"{device}, torch {torch.__version__}", **settings,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+        "steps": split.steps}), flush=True)
+
+
+def measure(job: dict) -> dict:
+    result, stderr = run_worker(__file__, job)
+    if result is None:
+        print(f"{job['run']['name']} {job['arm']} seed {job['seed']} failed:\n{stderr[-3000:]}", file=sys.stderr)
+        return {"arm": job["arm"], "seed": job["seed"], "failed": stderr.strip().splitlines()[-1:]}
+    return result
+
+
+def seed_summary(result: dict) -> dict:
+    """One seed's means per step over its steps after the first (all of them when there is one), and its rates."""
+    steps = result["steps"][1:] or result["steps"]
+    total = {key: sum(s[key] for s in steps) for key in steps[0] if key != "reward"}
+    return {**{key: value / len(steps) for key, value in total.items() if key.endswith("_s")},
+            "completions_per_s": total["completions"] / total["step_s"],
+            "generated_tokens_per_s": total["generated_tokens"] / total["generation_s"],
+            "trained_tokens_per_s": total["trained_tokens"] / total["trained_s"],
+            "at_cap": total["at_cap"] / total["completions"],
+            "rewards": [s["reward"] for s in result["steps"]], "peak_rss_mb": result["peak_rss_mb"]}
+
+
+def reward_change(rewards: list[list[float]], base: list[list[float]]) -> str:
+    """The change of the mean reward (over steps, then seeds) against `trl`'s, with the standard error of a
+    difference of two means over seeds (Welch); within seed noise when under two standard errors."""
+    mean = [statistics.fmean(r) for r in rewards]
+    base_mean = [statistics.fmean(r) for r in base]
+    change = statistics.fmean(mean) - statistics.fmean(base_mean)
+    if min(len(mean), len(base_mean)) < 2:
+        return f"{change:+.3f}"
+    se = (statistics.variance(mean) / len(mean) + statistics.variance(base_mean) / len(base_mean)) ** 0.5
+    verdict = "within seed noise" if abs(change) <= max(2 * se, 0.0005) else "beyond seed noise"
+    return f"{change:+.3f} (SE {se:.3f}: {verdict})"
+
+
+def table(name: str, results: dict[str, list[dict]]) -> tuple[list[str], dict]:
+    """Markdown rows of one run (each arm's seed of fewest CPU seconds a step, then ratios to `trl`) and the
+    summaries they show. A part reads `wall / CPU` seconds where the steps were timed on both clocks."""
+    def part(b, key):
+        return f"{b[key + '_s']:.2f} / {b[key + '_cpu_s']:.2f}" if key + "_cpu_s" in b else f"{b[key + '_s']:.2f}"
+
+    def faster(base, b, key):  # on the CPU clock where both have it
+        key += "_cpu_s" if key + "_cpu_s" in base and key + "_cpu_s" in b else "_s"
+        return f"{base[key] / b[key]:.2f}×"
+
+    rows, best = [], {}
+    for arm, rs in results.items():
+        failed = [r for r in rs if "failed" in r]
+        if failed:
+            rows.append(f"| {name} | {arm} | failed: {' '.join(failed[0]['failed'])} |" + " |" * 11)
+            continue
+        seeds = [seed_summary(r) for r in rs]
+        best[arm] = min(seeds, key=lambda s: s["cpu_s"])
+        b, r = best[arm], rs[0]
+        how = (f"checkpointing {'on' if r['activation_checkpointing'] else 'off'}, "
+               f"{'bf16' if r['bf16'] else 'fp32'}{', continuous batching' if r['continuous_batching'] else ''}")
+        curves = "; ".join(" ".join(f"{x:.2f}" for x in s["rewards"]) for s in seeds)
+        change = "" if arm == "trl" or "trl" not in best else reward_change(
+            [s["rewards"] for s in seeds], [seed_summary(x)["rewards"] for x in results["trl"]])
+        rows.append(f"| {name} | {arm} ({how}) | {b['step_s']:.1f} | {b['cpu_s']:.1f} | {part(b, 'generation')} "
+                    f"| {part(b, 'scoring')} | {part(b, 'trained')} | {part(b, 'other')} "
+                    f"| {b['completions_per_s']:.3f} | {b['generated_tokens_per_s']:.1f} "
+                    f"| {b['trained_tokens_per_s']:.0f} | {b['peak_rss_mb']:.0f} | {curves} | {change} |")
+    if "trl" in best:
+        base = best["trl"]
+        for arm, b in best.items():
+            if arm != "trl":
+                rows.append(f"| {name} | **{arm} / trl** | {base['step_s'] / b['step_s']:.2f}× "
+                            f"| **{base['cpu_s'] / b['cpu_s']:.2f}×** | {faster(base, b, 'generation')} "
+                            f"| {faster(base, b, 'scoring')} | {faster(base, b, 'trained')} | "
+                            f"| {b['completions_per_s'] / base['completions_per_s']:.2f}× "
+                            f"| {b['generated_tokens_per_s'] / base['generated_tokens_per_s']:.2f}× "
+                            f"| {b['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}× "
+                            f"| {b['peak_rss_mb'] / base['peak_rss_mb']:.2f}× | | |")
+    return rows, best
+
+
+HEADER = ["| run | arm | step (s) | CPU (s) | generation (s) | scoring (s) | trained pass (s) | other (s) | completions/s "
+          "| generated tokens/s | trained tokens/s | peak RSS (MB) | reward per step (each seed) | mean reward vs trl |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", type=Path, default=ROOT / "bench" / "rl.yaml")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every GRPO and RLOO run)")
+    ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
+    ap.add_argument("--seeds", nargs="*", type=int, default=[1, 2])
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps of every arm")
+    ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-rl"))
+    ap.add_argument("--out", type=Path, help="a JSON file: every arm's settings and steps, and the table's numbers")
+    ap.add_argument("--table", type=Path, help="print the table again from a file --out wrote (measures nothing)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    if opts.worker:
+        return worker(opts.worker)
+    if opts.table:
+        report = json.loads(opts.table.read_text())
+        print(f"device: {report['device']}")
+        print("\n".join(HEADER + [row for name, run in report["runs"].items()
+                                   for row in table(name, run["results"])[0]]))
+        return
+
+    import contextlib
+    import os
+
+    configfile = opts.configfile.resolve()
+    os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
+    config, runs = load_config(configfile)
+    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ONLINE]
+    unknown = [n for n in names if n not in runs or runs[n]["trainer"] not in ONLINE]
+    if unknown:
+        sys.exit(f"{configfile}: --runs {' '.join(unknown)}: expected GRPO or RLOO runs of the config "
+                 f"({', '.join(n for n, r in runs.items() if r['trainer'] in ONLINE)})")
+    schedule = {"max_steps": opts.steps, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1}
+    out, report, device = list(HEADER), {"command": sys.argv, "runs": {}}, None
+    for name in names:
+        run = runs[name]
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
+            model_dir = base_model(config, run["model"], opts.work)
+            train, evals = prepared(config, run, opts.work)
+        results = {}
+        for arm in opts.arms:
+            for seed in opts.seeds:
+                job = {"run": run, "arm": arm, "seed": seed, "settings": length_settings(config, run, "auto"),
+                       "model_dir": str(model_dir), "schedule": schedule, "threads": opts.threads,
+                       "train": str(train), "eval": str(evals),
+                       "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
+                result = measure(job)
+                device = result.get("device", device)
+                print(f"{name} {arm} seed {seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
+                results.setdefault(arm, []).append(result)
+        rows, best = table(name, results)
+        out += rows
+        report["runs"][name] = {"results": results, "best_seed": best}
+    report["device"] = device
+    print(f"device: {device}")
+    print("\n".join(out))
+    if opts.out:
+        opts.out.write_text(json.dumps({**report, "table": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
