@@ -71,7 +71,7 @@ def trained(workdir, tiny_model_dir, tmp_path_factory):
         job = prepare(tmp, config, tiny_model_dir, trainer)
         # As the Snakefile hands it to the job: the environment, not the run's params.
         environment = live_environment(config, {run: job["run"]})
-        assert job["run"]["name"] == run and "report_to" not in job["run"]["args"]
+        assert job["run"]["name"] == run and job["run"]["args"]["report_to"] == "none"
         assert json.loads(environment["SNAKETRL_LIVE"]) == {run: {"report_to": "trackio"}}
         os.chdir(workdir)
         os.environ.update(environment)

@@ -57,7 +57,7 @@ def resolve_run(config: dict, name: str, run: dict, reward_model_entry: dict | N
     return canonical({
         "name": name, "trainer": run["trainer"], "model": run["model"], "dataset": run["dataset"],
         # The live view's fields go to the jobs in the environment (snaketrl.train.live): not a result's.
-        "args": {k: v for k, v in trl_args(config, run).items() if k not in live.FIELDS}, "lora": lora,
+        "args": live.without_view(trl_args(config, run)), "lora": lora,
         "model_entry": model_entry(config["models"][run["model"]]),
         "dataset_entry": config["datasets"][run["dataset"]],
         "reward_funcs": run.get("reward_funcs", []), "reward_model": run.get("reward_model"),

@@ -41,6 +41,12 @@ def environment(written: dict[str, dict]) -> dict[str, str]:
     return {ENV: json.dumps(live, sort_keys=True)}
 
 
+def without_view(args: dict) -> dict:
+    """A run's TRL fields as its params hold them: `report_to` as `none` wherever the config writes one (the
+    default config always has: its runs keep the params they had before the view), no `project`."""
+    return {k: "none" if k == "report_to" else v for k, v in args.items() if k != "project"}
+
+
 def fields(run: str) -> dict:
     """This run's live-view fields, from the environment the workflow gave its job ({}: none)."""
     return json.loads(os.environ.get(ENV) or "{}").get(run, {})
@@ -95,3 +101,12 @@ def use_store(store: Path) -> None:
     os.environ["TRACKIO_DIR"] = str(store)
     for name in REMOTE:
         os.environ.pop(name, None)
+
+
+def finish(args) -> None:
+    """End the trackio run the final evaluation opened again: transformers' callback finishes it at the end of
+    training, and the evaluation after that logs into a new start of it that nothing finishes, whose last records
+    a reader may then miss."""
+    trackio = sys.modules.get("trackio")
+    if trackio is not None and "trackio" in reporters(args.report_to) and trackio.context_vars.current_run.get():
+        trackio.finish()

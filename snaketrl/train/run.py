@@ -21,7 +21,7 @@ from snaketrl.io import atomic, hash_path, read_jsonl, write_json
 from snaketrl.kill_points import kill_point
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
-from snaketrl.train import training_samples
+from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
 from snaketrl.train.generation import merge_for_generation
 from snaketrl.train.labelled import choose as choose_labelled
@@ -120,6 +120,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         metrics.update(group_metrics(trainer, plan.batch))
     if spec.evaluates:
         metrics.update(trainer.evaluate())
+        live.finish(args)  # its records in the live view's store before the job ends
         guard.check(metrics)
 
     # Write the outputs, each whole or not at all.
