@@ -202,3 +202,27 @@ def test_mistakes_end_the_dry_run_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("snaketrl: config: training.per_device_train_batch_size: expected "
                                                     "an integer, got 'eight'")
     assert "Traceback" not in proc.stderr
+
+
+def test_use_vllm_passes_through_where_vllm_imports_and_is_refused_in_one_line_elsewhere(monkeypatch):
+    """TRL's use_vllm (its colocate mode by default) reaches the run's args where vllm imports; where it does not,
+    parsing names the package; a job that sees no CUDA GPU names that."""
+    import importlib.util
+
+    from snaketrl.train.args import check_hardware
+
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+        with pytest.raises(ConfigError) as err:
+            parse(at("trainers/grpo/args/use_vllm", True))
+    assert str(err.value) == ("config: trainers.grpo.args.use_vllm: use_vllm needs the vllm package, which this "
+                              "environment lacks (pip install vllm, on a machine with a CUDA GPU); without it, drop "
+                              "use_vllm: TRL then generates with transformers")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    runs = parse(at("trainers/grpo/args/use_vllm", True))
+    assert {run["args"].get("use_vllm") for name, run in runs.items() if run["trainer"] == "grpo"} == {True}
+    with pytest.raises(ConfigError, match=r"^config: run 'grpo-x': use_vllm generates with vLLM on a CUDA GPU; "
+                                          r"none is visible"):
+        check_hardware({"use_vllm": True}, "grpo-x", cuda=False)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from snaketrl import paths
-from snaketrl.config.args import check_run_counts, checked
+from snaketrl.config.args import check_run_counts, checked, origin
 from snaketrl.config.fields import module_source, top_level_names
 from snaketrl.config.files import corpus_files, where_looked, written_files
 from snaketrl.config.matrix import expand_runs, with_seeds, written_at
@@ -78,6 +78,7 @@ def resolve_runs(config: dict, shipped: Callable[[str], str] | None = None, gpus
         check_run_counts(config, name, run, trl_args(config, run))
         _check_run_batching(config, run, where)
         _check_max_tokens(config, name, run)
+        _check_vllm(config, name, run)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
     for name, model in config["models"].items():
         if "gguf" in model:
@@ -147,6 +148,17 @@ def _check_run_batching(config: dict, run: dict, where: str) -> None:
         if batching_of(config, "sft") != "packed":
             raise ConfigError(f"config: {where}: padding_free: TRL 1.12 needs packing with it when max_length is "
                               f"set (the length histogram sets it); set length.batching to packed for sft")
+
+
+def _check_vllm(config: dict, name: str, run: dict) -> None:
+    """use_vllm passes through to TRL (its colocate mode by default: vLLM generates on the train job's GPU) where
+    vllm imports; where it does not, the run is refused now rather than in its job."""
+    import importlib.util
+
+    if trl_args(config, run).get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"config: {origin(config, name, run, 'use_vllm')}: use_vllm needs the vllm package, which "
+                          f"this environment lacks (pip install vllm, on a machine with a CUDA GPU); without it, "
+                          f"drop use_vllm: TRL then generates with transformers")
 
 
 def _check_max_tokens(config: dict, name: str, run: dict) -> None:

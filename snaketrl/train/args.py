@@ -85,6 +85,9 @@ def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: 
         if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "
                               f"(pip install liger-kernel)")
+        if args.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"config: run '{run}': use_vllm needs the vllm package in the train job's environment "
+                              f"(pip install vllm)")
         return
     if args.get("use_liger_kernel"):
         raise ConfigError(f"config: run '{run}': use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton "
@@ -92,6 +95,9 @@ def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: 
     if args.get("activation_offloading"):
         raise ConfigError(f"config: run '{run}': activation_offloading moves activations from GPU to CPU memory and "
                           f"needs a CUDA GPU; none is visible")
+    if args.get("use_vllm"):
+        raise ConfigError(f"config: run '{run}': use_vllm generates with vLLM on a CUDA GPU; none is visible (drop "
+                          f"use_vllm for this machine: TRL then generates with transformers)")
     attention = (entry or {}).get("attn_implementation")
     if attention and "flash" in attention:
         raise ConfigError(f"config: models.{model}.attn_implementation: {attention} needs a CUDA GPU; none is visible")
