@@ -160,6 +160,9 @@ def test_same_seed_gives_identical_losses_and_full_outputs(sft_inputs, tmp_path)
     undocumented = [k for k in [*metrics, *manifest] if f"`{k}`" not in glossary
                     and not (k.startswith("eval_") and "`eval_*`" in glossary)]
     assert undocumented == []
+    # The plan, as metrics.json reports it, with the reasons the log gave
+    plan = {k: v for k, v in manifest["plan"].items() if k != "notes"}
+    assert plan == {k: metrics[k] for k in plan} and plan["device"] == "cpu" and manifest["plan"]["notes"]
     import torch
 
     # What decides the rounding, so that two runs differing only there are explained (issue 24)

@@ -205,7 +205,8 @@ def write_outputs(trainer, tokenizer, plan: TrainPlan, metrics: dict, out_dir: P
     write_json(metrics, out_dir / "metrics.json")
     training_samples.finish(attempt.samples, out_dir / "training_samples.jsonl")
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(), inputs=inputs,
-                   device=plan.device, resumed_from=attempt.resume, model_source=read_source(model_dir),
+                   device=plan.device, plan={**plan.report(), "notes": list(plan.notes)},
+                   resumed_from=attempt.resume, model_source=read_source(model_dir),
                    attempts=attempt.attempts,
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
     return True
