@@ -161,6 +161,9 @@ def test_report_to_is_checked_at_parse_time(config):
     assert refused(lambda c: c["trainers"]["dpo"]["args"].update(project="mine")) == (
         "config: trainers.dpo.args.project: one trackio project holds all the workflow's runs; set project "
         "under training")
+    assert refused(lambda c: c["training"].update(project="../elsewhere")) == (
+        "config: training.project: '../elsewhere': the trackio project names a file in results/trackio; it may hold "
+        "only letters, digits, '_', '.', '~', '+', '-', starting with a letter or digit")
     assert refused(lambda c: c["training"].update(trackio_space_id="me/space")) == (
         "config: training.trackio_space_id: set by the live view (report_to: trackio keeps the curves in "
         "results/trackio on this machine: docs/live-view.md); remove it")

@@ -13,6 +13,7 @@ import re
 from snaketrl.errors import ConfigError, did_you_mean
 from snaketrl.train.args import OWNED
 from snaketrl.config.fields import Field, init_field_types
+from snaketrl.config.matrix import NAME, NAME_CHARS
 from snaketrl.train.live import check_report_to
 from snaketrl.trainers import REGISTRY
 
@@ -175,6 +176,9 @@ def check_section(section: dict, trainers: list[str], where: str) -> dict:
         if key == "project" and where != "training":
             raise ConfigError(f"config: {where}.project: one trackio project holds all the workflow's runs; "
                               f"set project under training")
+        if key == "project" and not (isinstance(v, str) and NAME.fullmatch(v)):
+            raise ConfigError(f"config: training.project: {v!r}: the trackio project names a file in "
+                              f"results/trackio; it may hold only {NAME_CHARS}")
         for trainer in trainers:
             others = {t: d for t, d in classes.items() if t != trainer} if where == "training" else None
             out[key] = check_field(classes[trainer], key, v, f"{where}.{key}", others)

@@ -7,7 +7,6 @@ Pure Python (no torch/transformers/trl): the Snakefile calls this at parse time.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from snaketrl import paths
 from snaketrl.config.args import check_run_counts, checked, origin
 from snaketrl.config.fields import module_source, top_level_names
 from snaketrl.config.files import corpus_files, where_looked, written_files
-from snaketrl.config.matrix import expand_runs, with_seeds, written_at
+from snaketrl.config.matrix import NAME, NAME_CHARS, expand_runs, with_seeds, written_at
 from snaketrl.config.resolve import batching_of, resolve_run, trl_args
 from snaketrl.config.sweeps import with_sweeps
 from snaketrl.errors import ConfigError, close_match, did_you_mean
@@ -26,10 +25,6 @@ from snaketrl.train.args import check_switches
 from snaketrl.trainers import REGISTRY
 
 
-# Names that become folders under results/ and wildcard values: one path segment, no '..' ('~' and '+': swept
-# values in run names, snaketrl.config.sweeps).
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.~+-]*")
-NAME_CHARS = "letters, digits, '_', '.', '~', '+', '-', starting with a letter or digit"
 
 
 def resolve_runs(config: dict, shipped: Callable[[str], str] | None = None, gpus: int = 0) -> dict[str, dict]:

@@ -5,9 +5,15 @@ entry), and each run once per seed.
 from __future__ import annotations
 
 import copy
+import re
 import string
 
 from snaketrl.errors import ConfigError, closest
+
+# Names that become folders under results/ and wildcard values: one path segment, no '..' ('~' and '+': swept
+# values in run names, snaketrl.config.sweeps).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.~+-]*")
+NAME_CHARS = "letters, digits, '_', '.', '~', '+', '-', starting with a letter or digit"
 
 
 def expand_runs(config: dict) -> dict[str, dict]:

@@ -72,15 +72,11 @@ def check_liger_model(args: dict, model_dir, run: str = "?", model: str | None =
 
 
 def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: dict | None = None, *,
-                   cuda: bool | None = None) -> None:
+                   cuda: bool) -> None:
     """Settings that need a CUDA GPU fail here, before any model loads, when none is visible (`cuda`: whether
-    one is; None: ask torch)."""
+    one is)."""
     import importlib.util
 
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
     if cuda:
         if args.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
             raise ConfigError(f"config: run '{run}': use_liger_kernel needs the liger-kernel package "

@@ -20,6 +20,7 @@ found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 # Of the free memory, what activations may take: the rest is the allocator's fragmentation, the optimizer's
@@ -52,10 +53,12 @@ def weight_bytes(model_dir) -> int:
 
 
 def free_bytes(device: str) -> int:
+    """Free bytes of this process's device: on CUDA its own GPU (a launched process's LOCAL_RANK, asked before
+    accelerate selects it: GPU 0 would be every rank's)."""
     if device == "cuda":
         import torch
 
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
     import psutil
 
     return psutil.virtual_memory().available
