@@ -41,6 +41,21 @@ torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__versi
 'bitsandbytes', bitsandbytes.__version__)"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
+# Issue 52's GPU arms first (RL_S > 0): bench/rl.py on bench/rl-gpu.yaml, once per argument set in RL_RUNS
+# (separated by ';'), all within RL_S seconds; the tables in rl.md, every step of every arm in rl-<n>.json.
+if [ "${RL_S:-0}" -gt 0 ]; then
+  SECONDS=0
+  IFS=';' read -ra rl_runs <<< "${RL_RUNS:---runs grpo-qwen}"
+  n=0
+  for rl_args in "${rl_runs[@]}"; do
+    n=$((n + 1)); left=$((RL_S - SECONDS)); [ "$left" -gt 20 ] || { echo "RL $n: no time left"; break; }
+    # shellcheck disable=SC2086
+    timeout "$left" python3 bench/rl.py --configfile bench/rl-gpu.yaml $rl_args --out "$out/rl-$n.json" \
+      >> "$out/rl.md" 2>> "$out/rl.log"
+    echo "RL $n ($rl_args): exit $?, ${SECONDS} s"
+  done
+  cat "$out/rl.md"; grep -E "failed|Error" "$out/rl.log" | cut -c1-800 | tail -20
+fi
 SECONDS=0
 if [ "${TESTS_S:-240}" -gt 0 ]; then
   timeout "${TESTS_S:-240}" python3 -m pytest -m cuda -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE \

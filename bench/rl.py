@@ -10,6 +10,9 @@ steps, completion cap, generations per prompt, batch, learning rate and sampling
   trl-tuned-cb  the same with use_transformers_continuous_batching=True (on a 2-core EPYC the slower of the two,
                 docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
   snaketrl      the workflow's train_run on the run as the config resolves it, with the length stage's choice
+  snaketrl-compiled  the same with its decode compiled on a static cache (snaketrl.train.generation.compile_decode,
+                the cache sized for the longest prompt of the rows plus the completion cap): measured before the
+                plan chooses it on a device
 Each optimizer step is timed on the wall clock and on the process's CPU clock (with one thread on a shared machine
 the steadier measure: other load stretches wall time, not a one-thread process's CPU time), and split into
   generation    TRL's `_generate` (sampling the completions)
@@ -47,7 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from efficiency import base_model, length_settings, load_config, prepared, run_worker  # noqa: E402
 
-ARMS = ("trl", "trl-tuned", "trl-tuned-cb", "snaketrl")
+ARMS = ("trl", "trl-tuned", "trl-tuned-cb", "snaketrl", "snaketrl-compiled")
 DEFAULT_ARMS = ("trl", "trl-tuned", "snaketrl")
 TUNED = {"trl-tuned": {"activation_checkpointing": False},
          "trl-tuned-cb": {"activation_checkpointing": False, "use_transformers_continuous_batching": True}}
@@ -209,6 +212,27 @@ def snaketrl_job(job: dict, callbacks: list) -> dict:
             "continuous_batching": manifest["use_transformers_continuous_batching"]}
 
 
+def compiled_on_first_generation(cls) -> None:
+    """The trainer class's generation compiles its decode (compile_decode) from its first call on, the static
+    cache sized for the longest prompt of its rows (as TRL renders them) plus the completion cap, in 64s."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    from snaketrl.train.generation import compile_decode
+
+    generate = cls._generate_single_turn
+
+    def generate_compiled(trainer, *args, **kwargs):
+        if not getattr(trainer, "_bench_compiled", False):
+            tokenizer = trainer.processing_class
+            longest = max(len(tokenizer(maybe_apply_chat_template({"prompt": row["prompt"]}, tokenizer)["prompt"],
+                                        add_special_tokens=False)["input_ids"]) for row in trainer.train_dataset)
+            compile_decode(trainer, -(-(longest + trainer.max_completion_length) // 64) * 64)
+            trainer._bench_compiled = True
+        return generate(trainer, *args, **kwargs)
+
+    cls._generate_single_turn = generate_compiled
+
+
 def worker(job_file: str) -> None:
     """Some steps of one (run, seed, arm); prints one JSON line."""
     import torch
@@ -224,8 +248,11 @@ def worker(job_file: str) -> None:
 
         keep_freed_memory()  # as every training-side job does (snaketrl.imports.start_job)
     split = StepSplit()
-    split.wrap(load(REGISTRY[job["run"]["trainer"]].trainer))
-    settings = (snaketrl_job if job["arm"] == "snaketrl" else plain_trl)(job, [split.callback()])
+    cls = load(REGISTRY[job["run"]["trainer"]].trainer)
+    split.wrap(cls)
+    if job["arm"] == "snaketrl-compiled":
+        compiled_on_first_generation(cls)
+    settings = (snaketrl_job if job["arm"].startswith("snaketrl") else plain_trl)(job, [split.callback()])
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
     print("RESULT " + json.dumps({

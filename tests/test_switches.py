@@ -2,6 +2,7 @@
 found broken, fixed and checked on CPU where the CPU can reproduce it, refused at parse time where it cannot
 work, and the whole trainer x switch matrix on CUDA (`pytest -m cuda` on a GPU machine; skipped elsewhere)."""
 
+import importlib.util
 import json
 import math
 import re
@@ -334,9 +335,11 @@ def test_every_trainer_under_every_switch_on_cuda(trainer, switch, tmp_path, con
     from snaketrl.train.run import train_run
 
     args, entry, batching = SWITCHES[switch]
+    refusal = expected_refusal(trainer, switch)
+    if args.get("use_liger_kernel") and refusal is None and importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed here")  # its refusal is tested on CPU
     config["models"]["qwen2-tiny"].update(entry)
     config["training"].update(args)
-    refusal = expected_refusal(trainer, switch)
     try:
         inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
         if batching:
@@ -402,3 +405,12 @@ def test_packed_sequences_stay_apart_in_bf16(device, attention, tiny_model_dir):
         leaks.append((blind[start:end - 1] - alone).abs().max().item())
         start = end
     assert min(leaks[1:]) > 0.1, leaks  # the test notices sequences that attend to each other
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed here")
+def test_liger_without_its_package_is_refused_on_a_gpu_machine_in_one_line():
+    from snaketrl.train.args import check_hardware
+
+    with pytest.raises(ConfigError, match=r"^config: run 't': use_liger_kernel needs the liger-kernel package "
+                                          r"\(pip install liger-kernel\)$"):
+        check_hardware({"use_liger_kernel": True}, "t", cuda=True)

@@ -58,3 +58,15 @@ def merge_for_generation(trainer, trainer_name: str) -> None:
             return generate(*args, **kwargs)
 
     setattr(trainer, name, generate_merged)
+
+
+def compile_decode(trainer, max_cache_len: int) -> None:
+    """Patch a built GRPO or RLOO trainer (generating with the policy's own generate): its decode steps run on a
+    static KV cache of `max_cache_len` positions through transformers' compiled forward (on CUDA, CUDA graphs:
+    one launch a step instead of a few hundred kernels). TRL sets `disable_compile` on its generation config; a
+    cache of one size for every batch (the longest prompt plus the completion cap) keeps it to one compile per
+    batch size."""
+    for kwargs in (trainer.generation_kwargs,):
+        kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
+    config = trainer.generation_config
+    config.cache_implementation, config.max_cache_len, config.disable_compile = "static", max_cache_len, False
