@@ -158,7 +158,7 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
             if not runs:
                 continue
             top = runs[0]
-            ties = [g for g in runs[1:] if leaderboard.tied(mean.loc[g, col], mean.loc[top, col])]
+            ties = [g for g in runs[1:] if intervals.tied(mean.loc[g, col], mean.loc[top, col])]
             if ties:
                 text = f"{model}: no run leads; " + ", ".join([top, *ties]) + f" tie at {show(top)}"
             else:
@@ -171,7 +171,7 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
                     text += ", " + versus(lead, leaderboard.settled(lead, higher), second, k, places,
                                           "a lead", "no lead")
             if base is not None:
-                if leaderboard.tied(mean.loc[top, col], mean.loc[base, col]):
+                if intervals.tied(mean.loc[top, col], mean.loc[base, col]):
                     text += "; it equals its base"
                 else:
                     above = (mean.loc[top, col] > mean.loc[base, col]) == higher
@@ -186,14 +186,14 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
     close = [f"{c}: {b['group']} ≈ {b['runner_up']} ({intervals.needed(b['difference'])})"
              for c, b in best.items() if b["settled"] is False]
     if close:
-        out.append("Not settled (≈ in the leaderboard: the 95 % interval of the lead over the runner-up includes "
-                   "zero): " + "; ".join(close) + ".")
+        out.append("Leads not settled (≈ in the leaderboard): " + "; ".join(close) + ".")
     elif any(b["settled"] for b in best.values()):
         out.append("Where a run leads a leaderboard column (★), the 95 % interval of its paired difference over "
-                   "the runner-up excludes zero.")
+                   "the runner-up excludes zero, over prompts and seeds.")
     if seeds == 1:
-        out.append("With one seed the intervals cover the prompts only, not a run's variation across seeds: set "
-                   "seeds: [1, 2, 3] to measure it.")
+        out.append("With one seed per run the intervals cover the prompts only, not a run's variation across seeds, "
+                   "so no run's lead over another is called (★): it can be the seeds' alone. Set seeds: [1, 2, 3] "
+                   "to measure it.")
     same = {g: s for g, s in moved.items() if s}
     if same:
         out.append(f"Did not move from their start model (the same completion for every prompt): "

@@ -76,11 +76,6 @@ def trainer_rank(trainer: str) -> tuple:
     return (order.index(trainer) if trainer in order else len(order), trainer)
 
 
-def tied(a: float, b: float) -> bool:
-    """Equal to the digits a mean over seeds keeps (two means of the same values may differ in the last bit)."""
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-
-
 def table(metrics: dict[str, dict], groups: dict[str, str],
           scores: pd.DataFrame | None = None) -> tuple[dict, dict]:
     """Mean, std and seed count per group, bases first; per column the best run, its runner-up and, where both
@@ -103,7 +98,7 @@ def table(metrics: dict[str, dict], groups: dict[str, str],
     best = {}
     for col in values:
         ranked = mean.loc[runs, col].dropna().sort_values(ascending=not better[col])
-        if better[col] is None or len(ranked) < 2 or tied(ranked.iloc[0], ranked.iloc[1]):
+        if better[col] is None or len(ranked) < 2 or intervals.tied(ranked.iloc[0], ranked.iloc[1]):
             continue
         first, second = ranked.index[0], ranked.index[1]
         difference = intervals.compare(scores, first, second, col)
@@ -113,11 +108,12 @@ def table(metrics: dict[str, dict], groups: dict[str, str],
 
 
 def settled(difference: intervals.Difference | None, higher: bool) -> bool | None:
-    """Whether a leader's lead (difference: leader − runner-up) holds: its interval excludes zero on the side
-    the column counts as better. None without per-prompt values to say."""
+    """Whether a run's lead over another (difference: leader − runner-up) holds: both have several seeds and
+    its interval excludes zero on the side the column counts as better. With one seed the interval covers the
+    prompts only, and a difference between two runs can be their seeds' alone. None without per-prompt values."""
     if difference is None:
         return None
-    return difference.low > 0 if higher else difference.high < 0
+    return difference.seeded and (difference.low > 0 if higher else difference.high < 0)
 
 
 def verdict(lead: dict, kind: str, decimals: int | None) -> str:
