@@ -104,7 +104,7 @@ def test_the_interval_recomputed_from_the_sqlite_is_the_reports(tmp_path):
     assert (cell["mark"], cell["bold"]) == ("★", True) and d.low > 0
     text = intervals.describe(d, "float", 3)
     assert cell["title"] == f"{text} over b: a lead"
-    assert f"best is a (" in section["first"]["sentences"][1] and f"{text} against b: a lead" in \
+    assert "best is a (" in section["first"]["sentences"][1] and f"{text} against b: a lead" in \
         section["first"]["sentences"][1]
 
 

@@ -28,9 +28,9 @@ def prompt_scores(rows: list[dict], groups: dict[str, str]) -> pd.DataFrame:
     reference (1 above it, 0.5 equal, 0 below; NaN where either score is missing): the per-prompt values the
     leaderboard's score and win columns are the means of."""
     df = pd.DataFrame(rows)
-    if df.empty or "prompt_id" not in df:
-        return pd.DataFrame()
     scores = [c for c in df.columns if c.startswith(("fn_", "rm_"))]
+    if not scores or not {"run", "prompt_id"} <= set(df.columns):
+        return pd.DataFrame()
     df = df.assign(group=[groups.get(r, r) for r in df["run"]])
     if "reference" in df:
         by_job = df.set_index(["run", "prompt_id"])
@@ -122,7 +122,7 @@ def spread_seeds(m: np.ndarray, widen: float) -> np.ndarray:
 def seed_widening(*seeds: int) -> float:
     """t_{0.975, df} / z_{0.975}, df = Σ (n − 1) over the runs with several seeds: the interval a t test would
     give a difference measured on that few seeds, against the normal one a bootstrap approaches (with 3 seeds
-    per run, 1.42; without it 12 % of planted ties got a lead in a simulation, tests/test_report_intervals.py)."""
+    per run, 1.42; docs/evaluation.md gives a simulation of planted ties with and without it)."""
     from scipy.stats import norm, t
 
     df = sum(n - 1 for n in seeds if n > 1)
