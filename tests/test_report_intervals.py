@@ -96,6 +96,10 @@ def test_the_interval_recomputed_from_the_sqlite_is_the_reports(tmp_path):
         rows = [dict(zip([c[0] for c in cur.description], r)) for r in cur]
         groups = dict(con.execute("SELECT run, run_group FROM run_groups"))
     scores = intervals.prompt_scores(rows, groups)
+    # The per-prompt values are what the leaderboard's cells are the means of, win rates included.
+    means = scores.groupby("group")[[SCORE, f"{SCORE} win"]].mean()
+    board = section["board"]["mean"]
+    assert np.allclose(means.loc[["a", "b"]].to_numpy(), board.loc[["a", "b"], [SCORE, f"{SCORE} win"]].to_numpy())
     for col in (SCORE, f"{SCORE} win"):
         best = section["best"][col]
         assert intervals.compare(scores, best["group"], best["runner_up"], col) == best["difference"]
