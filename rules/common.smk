@@ -210,6 +210,11 @@ def report_runs():
     return sorted(RUNS)
 
 
+def eval_groups():
+    """Eval job -> its group: the run without its seed (a base is its own), the leaderboard's row."""
+    return {n: RUNS[n]["group"] if n in RUNS else n for n in EVAL_TARGETS}
+
+
 def per_attempt(base):
     """A resource (mem_mb, runtime) that grows with each retry: attempt 1, 2, ..."""
     return lambda wildcards, attempt: base * attempt

@@ -38,5 +38,7 @@ rule collect_evaluation:
         paths.log("collect_evaluation", "db"),
     conda:
         "../envs/data.yaml"
+    params:
+        groups=eval_groups(),
     script:
         "../scripts/collect_evaluation.py"

@@ -62,6 +62,6 @@ rule report:
         runs={r: RUNS[r] for r in report_runs()},
         pretrained=pretrained_models(),
         evaluated=list(EVAL_TARGETS),
-        groups={n: RUNS[n]["group"] if n in RUNS else n for n in EVAL_TARGETS},
+        groups=eval_groups(),
     script:
         "../scripts/report.py"

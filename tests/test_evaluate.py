@@ -478,8 +478,8 @@ def test_collect_builds_one_database(eval_jobs, tmp_path):
     write_jsonl([{"run": "grpo-x", "step": 0, "prompt": "p", "completion": "c", "reward": 1.5, "mode": "train"}],
                 samples)
     counts = collect([tmp / "base/completions.jsonl", tmp / "run/completions.jsonl"], tmp_path / "eval.sqlite",
-                       samples_files=[samples])
-    assert counts == {"completions": 12, "metrics": 2, "training_samples": 1}
+                       samples_files=[samples], groups={"sft-qwen2-tiny": "sft"})
+    assert counts == {"completions": 12, "metrics": 2, "training_samples": 1, "run_groups": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.sqlite", "samples.jsonl"]  # no temporary left
     db = sqlite3.connect(tmp_path / "eval.sqlite")
     assert db.execute("SELECT run, COUNT(*) FROM completions GROUP BY run ORDER BY run").fetchall() == [
@@ -491,6 +491,9 @@ def test_collect_builds_one_database(eval_jobs, tmp_path):
                              "WHERE run = 'sft-qwen2-tiny'").fetchall()
     assert acc is not None and 0 <= win <= 1
     assert db.execute("SELECT run, step, reward FROM training_samples").fetchall() == [("grpo-x", 0, 1.5)]
+    # The leaderboard's rows: a job named in groups folds into its group, the base is its own.
+    assert db.execute("SELECT run, run_group FROM run_groups ORDER BY run").fetchall() == [
+        ("base-qwen2-tiny", "base-qwen2-tiny"), ("sft-qwen2-tiny", "sft")]
 
 
 def test_a_diverged_run_is_refused_before_anything_is_written(eval_jobs, tiny_model_dir, datasets, tmp_path):

@@ -1,7 +1,6 @@
 """Numbers as a person reads them, the ★/tie/base rules of the leaderboard, and runs that did not move."""
 
 import json
-import math
 import re
 
 import pytest
@@ -56,29 +55,13 @@ def test_base_is_the_reference_never_starred_and_a_tie_is_no_lead():
                "dpo-m": _job("dpo", "m", 0.1, nll=2.0)}
     board, best = leaderboard.table(metrics, {})
     assert "rm_judge" not in best and "rm_judge win" not in best
-    assert best["NLL"] == {"group": "sft-m", "runner_up": "dpo-m", "lead": 1.0, "within_spread": False}
+    # NLL has no per-prompt values: the best is bold, and no lead is called (snaketrl.report.intervals).
+    assert best["NLL"] == {"group": "sft-m", "runner_up": "dpo-m", "lead": 1.0, "difference": None, "settled": None}
     rows = {row[0]["text"]: row for row in leaderboard.to_table(board, best)["rows"]}
-    assert not any(c["mark"] for c in rows["base-m"])
-    assert [c["mark"] for c in rows["sft-m"] if c["mark"]] == ["★"]
-
-
-def test_one_seed_lead_within_the_standard_errors_over_prompts_is_marked_approximately():
-    # Std 0.4 over 8 prompts: a standard error of 0.141 each; a lead of 0.2 is within 0.28, one of 0.4 is not.
-    for runner_up, mark in ((0.8, "≈"), (0.6, "★")):
-        metrics = {"base-m": _job("base", "m", 0.0), "a": _job("sft", "m", 1.0), "b": _job("dpo", "m", runner_up)}
-        board, best = leaderboard.table(metrics, {})
-        rows = {row[0]["text"]: row for row in leaderboard.to_table(board, best)["rows"]}
-        assert [c["mark"] for c in rows["a"] if c["mark"]][0] == mark
-
-
-def test_a_lead_within_the_seed_spread_is_marked_approximately():
-    metrics = {"base-m": _job("base", "m", 0.0), "a-1": _job("sft", "m", 1.0), "a-2": _job("sft", "m", 2.0),
-               "b-1": _job("dpo", "m", 1.2), "b-2": _job("dpo", "m", 1.4)}
-    board, best = leaderboard.table(metrics, {"a-1": "a", "a-2": "a", "b-1": "b", "b-2": "b"})
-    assert best["rm_judge"]["group"] == "a" and best["rm_judge"]["within_spread"]  # 1.5 vs 1.3, std 0.71 + 0.14
-    rows = {row[0]["text"]: row for row in leaderboard.to_table(board, best)["rows"]}
-    score = rows["a"][[c["name"] for c in leaderboard.to_table(board, best)["columns"]].index("rm_judge")]
-    assert (score["text"], score["mark"], score["bold"]) == ("1.50 ± 0.71", "≈", True)
+    assert not any(c["mark"] or c["bold"] for c in rows["base-m"])
+    nll = [c for c in rows["sft-m"] if c["bold"]]
+    assert [(c["text"], c["mark"]) for c in nll] == [("1.00", "")]
+    assert nll[0]["title"] == "ahead of dpo-m; no per-prompt values, so no interval: not called a lead"
 
 
 def _completions(*texts):
@@ -102,19 +85,18 @@ def test_runs_whose_every_completion_is_their_start_models_did_not_move():
     assert glance.moved_groups(seeds, {"dpo-1": "base-m", "dpo-2": "base-m"}, {"dpo-1": "base-m"}) == {"dpo": None}
 
 
-def test_the_sentence_names_the_best_per_model_the_noise_and_the_runs_that_did_not_move():
+def test_the_sentence_names_the_best_per_model_and_the_runs_that_did_not_move():
     metrics = {"base-m": _job("base", "m", 0.1), "sft-m": _job("sft", "m", 0.5), "dpo-m": _job("dpo", "m", 0.3),
                "grpo-m": _job("grpo", "m", 0.5 + 1e-15)}
     board, best = leaderboard.table(metrics, {})
     text = glance.sentences(board, "rm_judge", True, {"sft-m": None, "dpo-m": "base-m", "grpo-m": None}, 8, best)
-    assert text[0] == "Yardstick: rm_judge, higher is better; one seed per run (bars: the standard error of the " \
-                      "mean over 8 prompts)."
+    assert text[0] == "Yardstick: rm_judge, higher is better; one seed per run. Bars: the 95 % interval of a run's " \
+                      "paired difference to its base (bootstrap over the 8 prompts); a bar that crosses its base's " \
+                      "line is no difference from it."
     assert "m: no run leads; " in text[1] and "tie at 0.500" in text[1] and "better than its base base-m (0.100)" in text[1]
     assert best == {}  # every column ties at the top: nothing to say about leads
-    assert text[2].startswith("A run's variation across seeds is not known with one seed")
+    assert text[2].startswith("With one seed per run the intervals cover the prompts only")
     assert text[3] == "Did not move from their start model (the same completion for every prompt): dpo-m (= base-m)."
-    assert board["noise"].loc["sft-m", "rm_judge"] == pytest.approx(0.4 / math.sqrt(8))  # one seed: the prompts'
-    assert math.isnan(board["noise"].loc["sft-m", "NLL"])  # no per-prompt spread recorded
 
 
 def test_names_from_the_config_are_escaped(tmp_path, monkeypatch):

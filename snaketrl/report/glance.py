@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from snaketrl.report import leaderboard
+from snaketrl.report import intervals, leaderboard
 from snaketrl.report.figures import png_bytes, pyplot
 from snaketrl.report.format import number, spread
 
@@ -57,14 +57,34 @@ def row_labels(board: dict, datasets: dict[str, str]) -> dict[str, str]:
     return {g: g if cells.count((labels[g], info.loc[g, "model"])) > 1 else labels[g] for g in groups}
 
 
+def base_of(board: dict, group: str) -> str | None:
+    """The untrained base of a group's model: the reference its runs are read against."""
+    info = board["info"]
+    return next((g for g in info.index if info.loc[g, "trainer"] == "base"
+                 and info.loc[g, "model"] == info.loc[group, "model"]), None)
+
+
+def base_differences(board: dict, col: str) -> dict[str, intervals.Difference]:
+    """Run group -> its paired difference to its base on `col` (snaketrl.report.intervals), where both have
+    per-prompt values."""
+    info, out = board["info"], {}
+    for group in info.index:
+        base = base_of(board, group) if info.loc[group, "trainer"] != "base" else None
+        d = intervals.compare(board["scores"], group, base, col) if base else None
+        if d is not None:
+            out[group] = d
+    return out
+
+
 def glance_png(board: dict, col: str, higher: bool | None, datasets: dict[str, str],
-               moved: dict[str, str | None]) -> bytes:
-    """One row per trainer (and dataset), one marker per model: the yardstick's mean with its error bar;
-    hollow where the run did not move from its start model, "diverged" where it has no value; each base
-    model a dashed line in its model's colour."""
+               moved: dict[str, str | None], to_base: dict[str, intervals.Difference] | None = None) -> bytes:
+    """One row per trainer (and dataset), one marker per model: the yardstick's mean, its bar the 95 % interval
+    of its paired difference to its base (`to_base`: base_differences) drawn around it, so a bar that crosses
+    the base's line is no difference from it; hollow where the run did not move from its start model,
+    "diverged" where it has no value; each base model a dashed line in its model's colour."""
     plt = pyplot()
 
-    mean, info = board["mean"], board["info"]
+    mean, info, to_base = board["mean"], board["info"], to_base or {}
     models = list(dict.fromkeys(info["model"]))
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
     labels = row_labels(board, datasets)
@@ -87,8 +107,9 @@ def glance_png(board: dict, col: str, higher: bool | None, datasets: dict[str, s
                     va="center", fontsize=8, fontweight="bold")
             continue
         hollow = bool(moved.get(group))
-        bar = board["noise"].loc[group, col]
-        ax.errorbar(value, y, xerr=bar if bar == bar else None, fmt="o", markersize=7, capsize=3, color=colors[model],
+        d = to_base.get(group)
+        bar = [[d.difference - d.low], [d.high - d.difference]] if d else None
+        ax.errorbar(value, y, xerr=bar, fmt="o", markersize=7, capsize=3, color=colors[model],
                     markerfacecolor="white" if hollow else colors[model], markeredgewidth=1.5)
     for model in models:  # one legend entry per model, whatever was drawn first
         ax.plot([], [], "o", color=colors[model], label=model)
@@ -104,11 +125,11 @@ def glance_png(board: dict, col: str, higher: bool | None, datasets: dict[str, s
 
 
 def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str | None], n_prompts: int | None,
-              best: dict) -> list[str]:
-    """What the figure shows, from the data: the best run per model against its base and runner-up (a lead
-    within noise: within the seed spread, or with one seed within the error bars), which runs did not move,
-    which diverged."""
-    mean, std, info = board["mean"], board["std"], board["info"]
+              best: dict, to_base: dict[str, intervals.Difference] | None = None) -> list[str]:
+    """What the figure shows, from the data: the best run per model against its runner-up and its base, each
+    with the 95 % interval of the paired difference (a lead only where it excludes zero; for a tie, what would
+    settle it), the leaderboard's unsettled leads, which runs did not move, which diverged."""
+    mean, std, info, to_base = board["mean"], board["std"], board["info"], to_base or {}
     k = leaderboard.kind(col)
     d = 1 if k == "percent" else None
     if k != "percent":
@@ -122,9 +143,11 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
         return text + (f" ± {spread(sd, k, d)}" if sd == sd else "")
 
     seeds = int(info["seeds"].max()) if len(info) else 1
+    over = f"the {n_prompts} prompts" + (" and the seeds" if seeds > 1 else "")
     out = [f"Yardstick: {col}" + {True: ", higher is better", False: ", lower is better"}.get(higher, "")
-           + (f"; each value the mean over {seeds} seeds ± their std." if seeds > 1 else
-              f"; one seed per run (bars: the standard error of the mean over {n_prompts} prompts).")]
+           + (f"; each value the mean over {seeds} seeds ± their std" if seeds > 1 else "; one seed per run")
+           + f". Bars: the 95 % interval of a run's paired difference to its base (bootstrap over {over}); a "
+             f"bar that crosses its base's line is no difference from it."]
     if higher is not None:
         per_model = []
         for model in dict.fromkeys(info["model"]):
@@ -135,37 +158,42 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
             if not runs:
                 continue
             top = runs[0]
-            ties = [g for g in runs[1:] if leaderboard.tied(mean.loc[g, col], mean.loc[top, col])]
+            ties = [g for g in runs[1:] if intervals.tied(mean.loc[g, col], mean.loc[top, col])]
             if ties:
                 text = f"{model}: no run leads; " + ", ".join([top, *ties]) + f" tie at {show(top)}"
             else:
                 text = f"{model}: best is {top} ({show(top)})"
                 if len(runs) > 1:
                     second = runs[1]
-                    lead = abs(mean.loc[top, col] - mean.loc[second, col])
-                    shown = lead * (100 if k == "percent" else 1)  # percentage points for a share
+                    shown = abs(mean.loc[top, col] - mean.loc[second, col]) * (100 if k == "percent" else 1)
                     places = max(d, math.ceil(-math.log10(shown))) if shown else d
-                    text += f", {number(shown, 'float', places)}{' points' if k == 'percent' else ''} ahead of {second}"
-                    noise = board["noise"].loc[top, col] + board["noise"].loc[second, col]
-                    where = "the seed spread" if seeds > 1 else "the error bars"
-                    if noise == noise:
-                        text += f" (within {where})" if lead < noise else f" (more than {where})"
+                    lead = intervals.compare(board["scores"], top, second, col)
+                    text += ", " + versus(lead, leaderboard.settled(lead, higher), second, k, places,
+                                          "a lead", "no lead")
             if base is not None:
-                delta = mean.loc[top, col] - mean.loc[base, col]
-                above = (delta > 0) == higher
-                text += ("; it equals its base" if leaderboard.tied(mean.loc[top, col], mean.loc[base, col]) else
-                         f"; {'better' if above else 'worse'} than its base {base} ({show(base)})")
+                if intervals.tied(mean.loc[top, col], mean.loc[base, col]):
+                    text += "; it equals its base"
+                else:
+                    above = (mean.loc[top, col] > mean.loc[base, col]) == higher
+                    gap = to_base.get(top)
+                    verdict = "better" if above else "worse"
+                    text += f"; {verdict} than its base {base} ({show(base)})" if gap is None else (
+                        "; " + versus(gap, gap.lead, f"its base {base} ({show(base)})", k, d, verdict,
+                                      "not distinguishable from it"))
             per_model.append(text)
         out.append("Best per model on the yardstick: " + "; ".join(per_model) + "." if per_model else
                    "No run has a value on the yardstick.")
-    close = [f"{c}: {b['group']} ≈ {b['runner_up']}" for c, b in best.items() if b["within_spread"]]
-    noise = "the seed spread" if seeds > 1 else "the standard error over the prompts"
+    close = [f"{c}: {b['group']} ≈ {b['runner_up']} ({intervals.needed(b['difference'])})"
+             for c, b in best.items() if b["settled"] is False]
     if close:
-        out.append(f"Leads within {noise} (≈ in the leaderboard): " + "; ".join(close) + ".")
-    elif best:
-        out.append(f"Where a run leads a leaderboard column (★), it leads by more than {noise}.")
+        out.append("Leads not settled (≈ in the leaderboard): " + "; ".join(close) + ".")
+    elif any(b["settled"] for b in best.values()):
+        out.append("Where a run leads a leaderboard column (★), the 95 % interval of its paired difference over "
+                   "the runner-up excludes zero, over prompts and seeds.")
     if seeds == 1:
-        out.append("A run's variation across seeds is not known with one seed: set seeds: [1, 2, 3] to measure it.")
+        out.append("With one seed per run the intervals cover the prompts only, not a run's variation across seeds, "
+                   "so no run's lead over another is called (★): it can be the seeds' alone. Set seeds: [1, 2, 3] "
+                   "to measure it.")
     same = {g: s for g, s in moved.items() if s}
     if same:
         out.append(f"Did not move from their start model (the same completion for every prompt): "
@@ -176,3 +204,13 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
     if diverged:
         out.append("Diverged, so not ranked: " + ", ".join(diverged) + ".")
     return out
+
+
+def versus(diff: intervals.Difference | None, settled: bool | None, other: str, kind: str, places: int,
+           yes: str, no: str) -> str:
+    """One comparison in words: the paired difference to `other` with its interval, then `yes` where it is
+    settled, else `no` and what would settle it."""
+    if diff is None:
+        return f"ahead of {other} (no per-prompt values: no interval, not called {yes})"
+    text = f"{intervals.describe(diff, kind, places)} against {other}"
+    return text + (f": {yes}" if settled else f": {no}; {intervals.needed(diff)}")

@@ -1,4 +1,5 @@
-"""The leaderboard: every base model and run on the same yardstick, seeds folded into mean ± std.
+"""The leaderboard: every base model and run on the same yardstick, seeds folded into mean ± std, the best per
+column starred only where its paired interval over the runner-up excludes zero (snaketrl.report.intervals).
 
 Input: each eval job's metrics.json (snaketrl.evaluate.job.evaluate). Pure pandas: the report builds it.
 """
@@ -9,6 +10,7 @@ import math
 
 import pandas as pd
 
+from snaketrl.report import intervals
 from snaketrl.trainers import REGISTRY
 
 # (column, where in metrics.json, higher is better? None: no "best", a property to read, not a goal)
@@ -74,28 +76,12 @@ def trainer_rank(trainer: str) -> tuple:
     return (order.index(trainer) if trainer in order else len(order), trainer)
 
 
-def tied(a: float, b: float) -> bool:
-    """Equal to the digits a mean over seeds keeps (two means of the same values may differ in the last bit)."""
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-
-
-def standard_errors(metrics: dict[str, dict], groups: dict[str, str]) -> dict[tuple[str, str], float]:
-    """(group, score column) -> the standard error of one job's mean score over its prompts: the noise of a
-    run evaluated with one seed."""
-    out = {}
-    for job, m in metrics.items():
-        n = m.get("n_prompts") or 0
-        for score, entry in (m.get("scores") or {}).items():
-            if isinstance(entry, dict) and entry.get("std") is not None and n > 1:
-                out[(groups.get(job, job), score)] = entry["std"] / math.sqrt(n)
-    return out
-
-
-def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFrame, dict]:
-    """Mean, std and seed count per group, bases first, and each cell's noise: the std over seeds, or with
-    one seed a score's standard error over the prompts; per column the best run and whether its lead is
-    smaller than the noise of the two (then it is no lead at all). A base model is the reference every run
-    is read against, not a contestant; a column whose two best runs are equal has no best (a tie is no
+def table(metrics: dict[str, dict], groups: dict[str, str],
+          scores: pd.DataFrame | None = None) -> tuple[dict, dict]:
+    """Mean, std and seed count per group, bases first; per column the best run, its runner-up and, where both
+    have per-prompt values (`scores`: snaketrl.report.intervals.prompt_scores), their paired difference with its
+    95 % interval: a lead is settled only where that interval excludes zero. A base model is the reference every
+    run is read against, not a contestant; a column whose two best runs are equal has no best (a tie is no
     lead). A group with a diverged seed has no values: the seeds that did not diverge alone would flatter it."""
     df, better = frame(metrics, groups)
     values = [c for c in better if df[c].notna().any()]
@@ -107,22 +93,37 @@ def table(metrics: dict[str, dict], groups: dict[str, str]) -> tuple[pd.DataFram
     order = sorted(mean.index, key=lambda g: (info.loc[g, "trainer"] != "base", info.loc[g, "model"],
                                               trainer_rank(info.loc[g, "trainer"]), g))
     mean, std, info = mean.loc[order], std.loc[order], info.loc[order]
-    errors = standard_errors(metrics, groups)
-    noise = std.copy()
-    for group in noise.index[info["seeds"] == 1]:
-        noise.loc[group] = [errors.get((group, col), float("nan")) for col in noise.columns]
-    noise[mean.isna()] = float("nan")
+    scores = pd.DataFrame() if scores is None else scores
     runs = [g for g in mean.index if info.loc[g, "trainer"] != "base"]
     best = {}
     for col in values:
         ranked = mean.loc[runs, col].dropna().sort_values(ascending=not better[col])
-        if better[col] is None or len(ranked) < 2 or tied(ranked.iloc[0], ranked.iloc[1]):
+        if better[col] is None or len(ranked) < 2 or intervals.tied(ranked.iloc[0], ranked.iloc[1]):
             continue
         first, second = ranked.index[0], ranked.index[1]
-        spread = noise[col].fillna(0)[first] + noise[col].fillna(0)[second]
+        difference = intervals.compare(scores, first, second, col)
         best[col] = {"group": first, "runner_up": second, "lead": abs(ranked.iloc[0] - ranked.iloc[1]),
-                     "within_spread": bool(abs(ranked.iloc[0] - ranked.iloc[1]) < spread)}
-    return {"mean": mean, "std": std, "noise": noise, "info": info}, best
+                     "difference": difference, "settled": settled(difference, better[col])}
+    return {"mean": mean, "std": std, "info": info, "scores": scores}, best
+
+
+def settled(difference: intervals.Difference | None, higher: bool) -> bool | None:
+    """Whether a run's lead over another (difference: leader − runner-up) holds: both have several seeds and
+    its interval excludes zero on the side the column counts as better. With one seed the interval covers the
+    prompts only, and a difference between two runs can be their seeds' alone. None without per-prompt values."""
+    if difference is None:
+        return None
+    return difference.seeded and (difference.low > 0 if higher else difference.high < 0)
+
+
+def verdict(lead: dict, kind: str, decimals: int | None) -> str:
+    """A leader's lead over its runner-up in words: its paired difference and interval, and for a tie what
+    would settle it."""
+    d = lead["difference"]
+    if d is None:
+        return f"ahead of {lead['runner_up']}; no per-prompt values, so no interval: not called a lead"
+    text = f"{intervals.describe(d, kind, decimals)} over {lead['runner_up']}"
+    return text + (": a lead" if lead["settled"] else f": not settled; {intervals.needed(d)}")
 
 
 def kind(label: str) -> str:
@@ -143,9 +144,10 @@ def primary(labels: list[str]) -> set[str]:
 
 def to_table(board: dict, best: dict, moved: dict[str, str | None] | None = None) -> dict:
     """The leaderboard as a report table (snaketrl.report.format.table): mean ± std cells, one number of
-    decimals per column; the best per column in bold, ★ or ≈ when its lead over the runner-up is smaller
-    than their noise (seed spread, or one seed's standard error); a diverged group's cells say so. `moved`: group -> None where its completions
-    differ from its start model's, else that start model (it did not move)."""
+    decimals per column; the best per column in bold, ★ where the 95 % interval of its paired difference over
+    the runner-up excludes zero, ≈ where it does not (its tooltip: the interval, and what would settle it), bold
+    alone where the column has no per-prompt values; a diverged group's cells say so. `moved`: group -> None
+    where its completions differ from its start model's, else that start model (it did not move)."""
     from snaketrl.report.format import cell, column, decimals_for, number, spread
     from snaketrl.report.format import table as make_table
 
@@ -187,7 +189,10 @@ def to_table(board: dict, best: dict, moved: dict[str, str | None] | None = None
             if pd.notna(sd):
                 text += f" ± {spread(sd, c['kind'], c['decimals'])}"
             lead = best.get(col, {})
-            mark = ("≈" if lead["within_spread"] else "★") if lead.get("group") == group else ""
-            row.append(cell(text, float(value), bold=bool(mark), mark=mark))
+            if lead.get("group") != group:
+                row.append(cell(text, float(value)))
+                continue
+            row.append(cell(text, float(value), bold=True, mark={True: "★", False: "≈"}.get(lead["settled"], ""),
+                            title=verdict(lead, c["kind"], c["decimals"])))
         rows.append(row)
     return make_table(columns, rows, cls="leaderboard")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from snaketrl.io import read_json, read_jsonl
-from snaketrl.report import compute, glance, leaderboard
+from snaketrl.report import compute, glance, intervals, leaderboard
 from snaketrl.report.figures import data_uri, first_value, last_value, png_bytes, pyplot
 from snaketrl.report.format import cell, column, number, plain, pretty_json, table
 from snaketrl.report.plots import log_frame
@@ -172,7 +172,9 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], runs:
     runs = runs or {}
     metrics = {job: read_json(f["metrics"]) for job, f in evaluated.items()}
     completions = {job: read_jsonl(f["completions"]) for job, f in evaluated.items()}
-    board, best = leaderboard.table(metrics, groups)
+    # Per-prompt scores from the files the evaluation database is built from: its intervals recompute from it.
+    scores = intervals.prompt_scores([row for rows in completions.values() for row in rows], groups)
+    board, best = leaderboard.table(metrics, groups, scores)
     starts = glance.start_jobs(metrics, runs)
     same = glance.unmoved(completions, starts)
     moved = glance.moved_groups(groups, starts, same)
@@ -182,8 +184,9 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], runs:
     prompts = max((m.get("n_prompts") or 0 for m in metrics.values()), default=0)
     first = None
     if col is not None:
-        first = {"png": data_uri(glance.glance_png(board, col, better[col], datasets, moved)),
-                 "sentences": glance.sentences(board, col, better[col], moved, prompts, best), "metric": col}
+        to_base = glance.base_differences(board, col)
+        first = {"png": data_uri(glance.glance_png(board, col, better[col], datasets, moved, to_base)),
+                 "sentences": glance.sentences(board, col, better[col], moved, prompts, best, to_base), "metric": col}
 
     side = []
     first_job = {}  # group -> its first seed's job: the side-by-side table shows one completion per group
