@@ -75,7 +75,7 @@ def test_a_chat_model_without_a_template_is_named(tiny_model_dir):
     assert chat_rows(rows, False, tokenizer, model="m", dataset="tldr", where="x") == rows
 
 
-# The tiny tokenizer's ChatML template (snaketrl.models.tiny.CHAT_TEMPLATE): no system turn.
+# The tiny tokenizer's ChatML template (snaketrl.models.chat_template.CHATML): no system turn.
 TINY_FIRST = {
     "sft": ["<|im_start|>user\nTITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:<|im_end|>\n"
             "<|im_start|>assistant\nI lost my keys.<|im_end|>\n"],

@@ -384,10 +384,10 @@ def test_data_jobs_that_load_tokenizers_leave_torch_out():
         assert calls_first(script, "data_job()"), f"{script.name} imports snaketrl before data_job()"
     check = ("import gc, sys\nfrom snaketrl.imports import data_job\ndata_job()\n"
              "from transformers import AutoTokenizer\nfrom transformers.utils import is_torch_available\n"
-             "from snaketrl.models.tiny import CHAT_TEMPLATE\nfrom tokenizers import Tokenizer, models\n"
+             "from snaketrl.models.chat_template import CHATML\nfrom tokenizers import Tokenizer, models\n"
              "from transformers import PreTrainedTokenizerFast\n"
              "t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({'[UNK]': 0}, '[UNK]')), "
-             "unk_token='[UNK]', chat_template=CHAT_TEMPLATE)\n"
+             "unk_token='[UNK]', chat_template=CHATML)\n"
              "text = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
              "print(sys.modules['torch'], is_torch_available(), not gc.isenabled(), repr(text))")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT)
