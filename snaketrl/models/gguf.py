@@ -211,9 +211,9 @@ def locate(name: str, gguf: dict, path: str | None = None, reuse: bool = True) -
     return Path(hf_hub_download(repo, gguf["file"], revision=revision))
 
 
-def describe(path: Path) -> dict:
+def describe(path: Path, digest: str | None = None) -> dict:
     """What the file is: its architecture and name, its quantization (general.file_type, and the tensor types it
-    holds), and its sha256."""
+    holds), and its sha256 (`digest`, where already known)."""
     from collections import Counter
 
     import gguf as gguf_lib
@@ -230,7 +230,7 @@ def describe(path: Path) -> dict:
         quant = str(file_type)
     tensors = Counter(t.tensor_type.name for t in reader.tensors)
     return {"architecture": field("general.architecture"), "name": field("general.name"), "quant_type": quant,
-            "tensor_types": dict(sorted(tensors.items())), "sha256": sha256(path), "bytes": path.stat().st_size}
+            "tensor_types": dict(sorted(tensors.items())), "sha256": digest or sha256(path), "bytes": path.stat().st_size}
 
 
 def join(name: str, gguf: dict, files: list[Path], into: Path) -> Path:
@@ -275,20 +275,21 @@ def convert(name: str, gguf: dict, out_dir, paths: list[str] | None = None) -> d
     with tempfile.TemporaryDirectory(dir=Path(out_dir).parent, prefix=".gguf-parts-") as joined:
         file = join(name, gguf, files, Path(joined))
         several = len(files) > 1
+        digest = sha256(file)
+        if gguf.get("sha256") and gguf["sha256"] != digest:  # first: it names what a file that fails to read lacks
+            what = (f"the parts joined in the order named ({named_parts(gguf)}) have" if several
+                    else f"{file} has")
+            hint = "; is a part missing, changed or out of order?" if several else ""
+            raise ConfigError(f"config: models.{name}.gguf.sha256: {what} sha256 {digest}, not the "
+                              f"{gguf['sha256']} the config pins{hint}")
         try:
-            source = {"gguf": {k: gguf[k] for k in sorted(gguf)}, **describe(file)}
+            source = {"gguf": {k: gguf[k] for k in sorted(gguf)}, **describe(file, digest)}
         except Exception as err:  # gguf's reader on a cut or shuffled file: an IndexError, a ValueError, ...
             if not several:
                 raise
             raise ConfigError(f"config: models.{name}.gguf: the parts joined in the order named "
                               f"({named_parts(gguf)}) are not a whole GGUF file ({one_line(str(err), 200)}); is a "
                               f"part missing or out of order?") from None
-        if gguf.get("sha256") and gguf["sha256"] != source["sha256"]:
-            what = (f"the parts joined in the order named ({named_parts(gguf)}) have" if several
-                    else f"{file} has")
-            hint = "; is a part missing, changed or out of order?" if several else ""
-            raise ConfigError(f"config: models.{name}.gguf.sha256: {what} sha256 {source['sha256']}, not the "
-                              f"{gguf['sha256']} the config pins{hint}")
         if several:
             source["parts"] = [{"part": part_name(part), "bytes": f.stat().st_size}
                                for part, f in zip(parts(gguf), files)]
