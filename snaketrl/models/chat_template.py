@@ -179,9 +179,21 @@ def trainable_tokens(model, model_dir, lora: dict) -> dict:
     ids = sorted((record or {}).get("added_tokens", {}).values())
     if not ids:
         return lora
-    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
-    names = [next(n for n, m in model.named_modules() if m is layer).rsplit(".", 1)[-1]
-             for layer in layers if layer is not None]
+    names = [name for name in (layer_name(model, model.get_input_embeddings()),
+                                layer_name(model, model.get_output_embeddings())) if name]
     whole = set(lora.get("modules_to_save") or [])
     indices = {name: list(ids) for name in names if name not in whole}
     return {**lora, "trainable_token_indices": indices} if indices else lora
+
+
+def layer_name(model, layer) -> str | None:
+    """A layer's own name (embed_tokens, lm_head), as peft's trainable_token_indices names it."""
+    if layer is None:
+        return None
+    return next(n for n, m in model.named_modules() if m is layer).rsplit(".", 1)[-1]
+
+
+def trains_head_rows(model, lora: dict) -> bool:
+    """Whether rows of the output projection train as trainable tokens: peft then wraps it in a layer whose weight
+    TRL's chunked SFT loss (which reads the projection's weight itself) cannot use."""
+    return layer_name(model, model.get_output_embeddings()) in (lora.get("trainable_token_indices") or {})

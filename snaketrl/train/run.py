@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from snaketrl.data.chat import chat_rows
-from snaketrl.errors import TrainingError, one_line
+from snaketrl.errors import ConfigError, TrainingError, one_line
 from snaketrl.imports import imports_done, skip_deepspeed_inference_ops
 from snaketrl.io import atomic, hash_path, read_jsonl, write_json
 from snaketrl.kill_points import kill_point
@@ -156,6 +156,12 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
     if labelled and run["trainer"] == "sft":
         args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
         use_one_pass()
+    elif run["trainer"] == "sft" and chat_template.trains_head_rows(model, lora):
+        if run["args"].get("loss_type") == "chunked_nll":
+            raise ConfigError(f"run '{run['name']}': loss_type chunked_nll reads the output projection's weight "
+                              f"itself and would miss the rows trained for the tokens models.{run['model']}."
+                              f"chat_template added; use loss_type nll (or leave it unset)")
+        args.loss_type = run["args"].get("loss_type", "nll")  # TRL's default, chunked_nll, would fail there
     # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
     peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(lora))
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
