@@ -218,3 +218,36 @@ def test_the_template_decides_the_model_job_and_every_run(config, tmp_path):
         "chat_template": f"{tmp_path}/t.jinja"}  # the job's input: an edit of the file makes the model again
     assert chat_template_file({"chat_template": "~/models/x"}) == {"chat_template": str(
         __import__("pathlib").Path.home() / "models/x")}
+
+
+def test_a_tied_output_projection_follows_the_trained_rows(base_dir, tmp_path, monkeypatch):
+    """Gemma 3 and the tiny Qwen2 tie their output projection to the embeddings: the added rows train once, and
+    the projection reads them. A config that asks for TRL's chunked SFT loss is refused in one line."""
+    import first_tokens
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snaketrl.evaluate.loading import load_for_eval
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "tied-base")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tied-base" / file).write_bytes((base_dir / file).read_bytes())
+    download("tied", {"hub": str(tmp_path / "tied-base"), "chat_template": "chatml"}, tmp_path / "tied")
+    entry = {"hub": "org/tied", "chat_template": "chatml", "lora": LORA}
+    first_training_ids("sft", "tied", entry, tmp_path / "tied", tmp_path / "sft", steps=2, threads=1)
+    adapter = tmp_path / "sft" / "out" / "adapter"
+    added = sorted(json.loads((tmp_path / "tied" / "chat_template.json").read_text())["added_tokens"].values())
+    loaded = load_for_eval(tmp_path / "tied", adapter)
+    with torch.no_grad():
+        rows = loaded.model.get_input_embeddings()(torch.tensor([added]))[0]
+        hidden = torch.eye(rows.shape[1])[:2]
+        logits = loaded.model.get_output_embeddings()(hidden)
+    assert torch.allclose(logits[:, added], hidden @ rows.T)  # the projection's rows are the trained embeddings
+    assert not torch.allclose(rows, AutoModelForCausalLM.from_pretrained(tmp_path / "tied").get_input_embeddings()
+                              .weight[added])
+    monkeypatch.setitem(first_tokens.ARGS, "sft", {"per_device_train_batch_size": 1, "loss_type": "chunked_nll"})
+    with pytest.raises(ConfigError, match=r"^run 'run': loss_type chunked_nll reads the output projection's weight "
+                                          r"itself and would miss the rows trained for the tokens "
+                                          r"models.tied.chat_template added; use loss_type nll \(or leave it unset\)$"):
+        first_training_ids("sft", "tied", entry, tmp_path / "tied", tmp_path / "chunked", steps=1, threads=1)
