@@ -120,6 +120,14 @@ def test_sft_trains_the_added_tokens_and_every_stage_renders_the_same_turns(chat
     with torch.no_grad():
         rows = loaded.model.get_input_embeddings()(torch.tensor([added]))[0]
     assert torch.allclose(rows, delta["embed_tokens"]) and not torch.allclose(rows, embed[added])
+    # Merged (a later run's policy), the rows are in its weights and its record goes with it.
+    from snaketrl.models.merge import merge
+
+    merge(adapter, chatml_dir, tmp_path / "merged", threads=1)
+    assert json.loads((tmp_path / "merged" / "chat_template.json").read_text()) == record
+    merged_embed, merged_head = embeddings(tmp_path / "merged")
+    assert torch.allclose(merged_embed[added], delta["embed_tokens"])
+    assert torch.allclose(merged_head[added], delta["lm_head"])
 
     # The length stage and the evaluation render the same turns from the model directory.
     rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:8]
