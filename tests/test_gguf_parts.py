@@ -3,6 +3,7 @@ named, hashed as the whole, converted to the same model as the whole file; a par
 refused naming the parts."""
 
 import hashlib
+import json
 import zipfile
 
 import pytest
@@ -116,3 +117,21 @@ def test_parts_in_several_wheels_join_to_the_whole(whole, tmp_path, monkeypatch)
     assert source["sha256"] == sha and files[1].read_bytes() == parts[1].read_bytes()
     assert source["parts"][0] == {"part": "tiny-gguf-part1==1.0:tiny_gguf_part1/tiny.gguf.part1",
                                   "bytes": parts[0].stat().st_size}
+
+
+def test_parts_with_a_chat_template_make_one_model_directory(whole, tmp_path):
+    """A GGUF without a template (this one has none in its metadata) given ChatML in the same job: the tiny
+    tokenizer has its markers already, so nothing is added; eos stays <|im_end|>."""
+    from transformers import AutoTokenizer
+
+    from snaketrl.models.chat_template import CHATML
+    from snaketrl.models.download import download
+
+    _, parts, sha = whole
+    download("tiny", {"gguf": {"path": [str(p) for p in parts], "sha256": sha}, "chat_template": "chatml"},
+             tmp_path / "model", [str(p) for p in parts])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    record = json.loads((tmp_path / "model" / "chat_template.json").read_text())
+    assert record["added_tokens"] == {} and record["eos_token"] == "<|im_end|>"
+    assert json.loads((tmp_path / "model" / "source.json").read_text())["sha256"] == sha
+    assert AutoTokenizer.from_pretrained(tmp_path / "model").chat_template == CHATML
