@@ -259,3 +259,21 @@ def test_a_tied_output_projection_follows_the_trained_rows(base_dir, tmp_path, m
                                           r"itself and would miss the rows trained for the tokens "
                                           r"models.tied.chat_template added; use loss_type nll \(or leave it unset\)$"):
         first_training_ids("sft", "tied", entry, tmp_path / "tied", tmp_path / "chunked", steps=1, threads=1)
+
+
+def test_zephyr_ends_turns_with_eos_and_needs_one(base_dir, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    download("base", {"hub": str(base_dir), "chat_template": "zephyr"}, tmp_path / "zephyr")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "zephyr")
+    assert list(json.loads((tmp_path / "zephyr" / "chat_template.json").read_text())["added_tokens"]) == [
+        "<|system|>", "<|user|>", "<|assistant|>"]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True) == "<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, "[UNK]")),
+                                   unk_token="[UNK]")
+    with pytest.raises(ConfigError, match=r"^config: models.m.chat_template: zephyr ends each turn with the "
+                                          r"tokenizer's eos token, and this model's tokenizer has none; use chatml or "
+                                          r"llama3$"):
+        chat_template.apply("m", "zephyr", AutoModelForCausalLM.from_pretrained(base_dir), bare)

@@ -100,14 +100,17 @@ def apply(name: str, value: str, model, tokenizer, source: str | None = None) ->
         else:
             named = NAMED[value]
             tokenizer.chat_template = named.text if named.text is not None else trl_template(named.trl_file)
+        vocab = tokenizer.get_vocab()
         if named.bos and tokenizer.bos_token is None:
             tokenizer.add_special_tokens({"bos_token": named.bos})
-        vocab = tokenizer.get_vocab()
         missing = [t for t in named.tokens if t not in vocab]
         if missing:
             tokenizer.add_tokens(missing, special_tokens=True)
         if named.eos:
             tokenizer.eos_token = named.eos
+        elif how == "named" and tokenizer.eos_token is None:
+            raise ConfigError(f"config: models.{name}.chat_template: {value} ends each turn with the tokenizer's eos "
+                              f"token, and this model's tokenizer has none; use chatml or llama3")
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             torch.manual_seed(0)  # the new rows start from the old ones' mean plus noise: the same in every build
             model.resize_token_embeddings(len(tokenizer))
