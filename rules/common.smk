@@ -6,6 +6,7 @@ from snaketrl import paths
 from snaketrl.config import (
     canonical,
     chat_prompts,
+    chat_template_file,
     corpus_files,
     gguf_file,
     local_files,
@@ -106,8 +107,10 @@ def dataset_mapping(wildcards):
 
 
 def model_source(wildcards):
-    """The local GGUF file a model is converted from (its edit reconverts), if any."""
-    return gguf_file(config["models"][wildcards.model], shipped)
+    """The local GGUF file (or parts) a model is converted from, and the local chat template file or tokenizer it
+    is given, if any: an edit of one makes the model again."""
+    entry = config["models"][wildcards.model]
+    return {**gguf_file(entry, shipped), **chat_template_file(entry, shipped)}
 
 
 def chat_of(wildcards):

@@ -63,19 +63,28 @@ def test_default_runs_keep_plain_prompts_and_their_params(config):
 
 
 def test_a_chat_model_without_a_template_is_named(tiny_model_dir):
+    """The error names models.<m>.chat_template, and never advice the config follows already: with chat turns off
+    for the model (chat: false), conversational rows still need a template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = None
+    give = (r"give it one with models.m.chat_template \(a template name \(chatml, llama3, zephyr\), a .jinja file, or "
+            r"another model's tokenizer \(a local directory, or a Hub id org/name\)\)")
     with pytest.raises(ConfigError, match=r"^run 'sft-m': model 'm' has no chat template in its tokenizer, and its "
                                           r"prompts from dataset 'tldr' are to be chats \(models.m.chat, "
-                                          r"datasets.tldr.chat\); set models.m.chat: false"):
+                                          rf"datasets.tldr.chat\); {give}, or keep these prompts plain text with "
+                                          r"datasets.tldr.chat: false$"):
         chat_rows([{"prompt": "a", "completion": "b"}], True, tokenizer, model="m", dataset="tldr", where="run 'sft-m'")
     rows = [{"prompt": "a", "completion": "b"}]
     assert chat_rows(rows, False, tokenizer, model="m", dataset="tldr", where="x") == rows
+    conversation = [{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": "b"}]}]
+    with pytest.raises(ConfigError, match=r"^run 'sft-m': model 'm' has no chat template in its tokenizer, and the rows "
+                                          rf"of dataset 'lima' are conversations; {give}$"):
+        chat_rows(conversation, False, tokenizer, model="m", dataset="lima", where="run 'sft-m'")
 
 
-# The tiny tokenizer's ChatML template (snaketrl.models.tiny.CHAT_TEMPLATE): no system turn.
+# The tiny tokenizer's ChatML template (snaketrl.models.chat_template.CHATML): no system turn.
 TINY_FIRST = {
     "sft": ["<|im_start|>user\nTITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:<|im_end|>\n"
             "<|im_start|>assistant\nI lost my keys.<|im_end|>\n"],

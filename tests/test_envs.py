@@ -216,7 +216,8 @@ def test_each_env_pins_every_package_its_scripts_import():
 
 def test_job_imports_follow_lazy_imports_into_snaketrl():
     assert {"datasets"} <= third_party(job_imports(ROOT / "scripts/get_dataset.py"))
-    assert {"huggingface_hub", "gguf", "packaging", "torch", "transformers"} == third_party(
+    # trl: a chat template cloned from another model's tokenizer (snaketrl.models.chat_template)
+    assert {"huggingface_hub", "gguf", "packaging", "torch", "transformers", "trl"} == third_party(
         job_imports(ROOT / "scripts/download_model.py"))
     assert {"torch", "trl", "peft", "datasets"} <= third_party(job_imports(ROOT / "scripts/train.py"))
     assert "torch" not in third_party(job_imports(ROOT / "scripts/length_histogram.py"))
@@ -384,10 +385,10 @@ def test_data_jobs_that_load_tokenizers_leave_torch_out():
         assert calls_first(script, "data_job()"), f"{script.name} imports snaketrl before data_job()"
     check = ("import gc, sys\nfrom snaketrl.imports import data_job\ndata_job()\n"
              "from transformers import AutoTokenizer\nfrom transformers.utils import is_torch_available\n"
-             "from snaketrl.models.tiny import CHAT_TEMPLATE\nfrom tokenizers import Tokenizer, models\n"
+             "from snaketrl.models.chat_template import CHATML\nfrom tokenizers import Tokenizer, models\n"
              "from transformers import PreTrainedTokenizerFast\n"
              "t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({'[UNK]': 0}, '[UNK]')), "
-             "unk_token='[UNK]', chat_template=CHAT_TEMPLATE)\n"
+             "unk_token='[UNK]', chat_template=CHATML)\n"
              "text = t.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
              "print(sys.modules['torch'], is_torch_available(), not gc.isenabled(), repr(text))")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT)

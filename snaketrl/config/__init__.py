@@ -8,7 +8,7 @@ classes read without importing trl. sweeps: hyperparameter grids. evaluation: th
 """
 
 from snaketrl.config.checks import BATCH_DEFAULTS, GENERATION_DEFAULTS, check_reward_func, resolve_runs
-from snaketrl.config.files import corpus_files, gguf_file, local_files
+from snaketrl.config.files import chat_template_file, corpus_files, gguf_file, local_files
 from snaketrl.config.matrix import expand_runs
 from snaketrl.config.resolve import (batching_of, canonical, chat_model, chat_prompts, length_settings,
                                      live_environment, lora_args, model_source_entry, trl_args)
@@ -16,6 +16,6 @@ from snaketrl.config.schema import validate, yaml_mistake
 from snaketrl.errors import ConfigError
 
 __all__ = ["BATCH_DEFAULTS", "GENERATION_DEFAULTS", "ConfigError", "batching_of", "canonical", "chat_model",
-           "chat_prompts", "check_reward_func", "corpus_files", "expand_runs", "gguf_file", "length_settings",
+           "chat_prompts", "chat_template_file", "check_reward_func", "corpus_files", "expand_runs", "gguf_file", "length_settings",
            "live_environment", "local_files", "lora_args", "model_source_entry", "resolve_runs", "trl_args",
            "validate", "yaml_mistake"]

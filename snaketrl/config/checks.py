@@ -13,12 +13,13 @@ from pathlib import Path
 from snaketrl import paths
 from snaketrl.config.args import check_run_counts, checked, origin
 from snaketrl.config.fields import module_source, top_level_names
-from snaketrl.config.files import corpus_files, where_looked, written_files
+from snaketrl.config.files import chat_template_file, corpus_files, where_looked, written_files
 from snaketrl.config.matrix import NAME, NAME_CHARS, expand_runs, with_seeds, written_at
 from snaketrl.config.resolve import batching_of, resolve_run, trl_args
 from snaketrl.config.sweeps import with_sweeps
 from snaketrl.errors import ConfigError, close_match, did_you_mean
-from snaketrl.models.gguf import check_source
+from snaketrl.models import chat_template
+from snaketrl.models.gguf import MAGIC, check_source
 from snaketrl.rewards import BUILTINS
 from snaketrl.train import distributed
 from snaketrl.train.args import check_switches
@@ -78,6 +79,7 @@ def resolve_runs(config: dict, shipped: Callable[[str], str] | None = None, gpus
     for name, model in config["models"].items():
         if "gguf" in model:
             check_source(name, model["gguf"])
+        chat_template.check(name, model)
         if not model.get("lora", {}).get("target_modules") and not config["lora"].get("target_modules"):
             raise ConfigError(f"config: models.{name}.lora.target_modules: missing; LoRA targets differ per "
                               f"architecture (q_proj,k_proj,v_proj for Qwen2/Llama, query_key_value for GPT-NeoX)")
@@ -234,10 +236,40 @@ def _check_local_files(config: dict, runs: dict, shipped=None) -> None:
     for name in sorted(used_models):
         if "tiny" in config["models"][name]:
             corpus_files(config, name, shipped)
-        path = config["models"][name].get("gguf", {}).get("path")
-        if path and not Path(paths.from_config(path, shipped)).is_file():
-            raise ConfigError(f"config: models.{name}.gguf.path: {path} does not exist{where_looked(path, shipped)}")
+        _check_gguf_paths(name, config["models"][name].get("gguf", {}).get("path"), shipped)
         _check_local_hub(config["models"][name], f"models.{name}.hub")
+        _check_template_source(name, config["models"][name], shipped)
+
+
+def _check_gguf_paths(name: str, path, shipped) -> None:
+    """A local GGUF file, or its parts: each exists, and only the first starts a GGUF file (the parts are named
+    in their order)."""
+    parts = path if isinstance(path, list) else [path] if path else []
+    for i, part in enumerate(parts):
+        local = Path(paths.from_config(part, shipped))
+        if not local.is_file():
+            what = f"part {i + 1} of {len(parts)}, " if len(parts) > 1 else ""
+            raise ConfigError(f"config: models.{name}.gguf.path: {what}{part} does not exist"
+                              f"{where_looked(part, shipped)}")
+        if len(parts) > 1:
+            with open(local, "rb") as f:
+                starts = f.read(len(MAGIC)) == MAGIC
+            if starts != (i == 0):
+                raise ConfigError(f"config: models.{name}.gguf.path: part {i + 1} of {len(parts)}, {part}, "
+                                  f"{'does not start' if i == 0 else 'starts'} a GGUF file; name the parts in their "
+                                  f"order, the file's first part first")
+
+
+def _check_template_source(name: str, entry: dict, shipped) -> None:
+    """A chat template from a local Jinja file or tokenizer directory: it exists."""
+    local = chat_template_file(entry, shipped).get("chat_template")
+    if local is None:
+        return
+    wanted = "file" if chat_template.kind(entry["chat_template"]) == "file" else "directory"
+    if not (Path(local).is_file() if wanted == "file" else Path(local).is_dir()):
+        written = entry["chat_template"]
+        raise ConfigError(f"config: models.{name}.chat_template: {wanted} {written} does not exist"
+                          f"{where_looked(written, shipped)}")
 
 
 def _evaluation_datasets(config: dict) -> list[str]:

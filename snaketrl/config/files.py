@@ -57,7 +57,21 @@ def where_looked(path: str, shipped) -> str:
     return hint + ")"
 
 
-def gguf_file(entry: dict, shipped: Callable[[str], str] | None = None) -> dict[str, str]:
-    """{"gguf": file} of a model converted from a local GGUF file (the download job's input), else {}."""
+def gguf_file(entry: dict, shipped: Callable[[str], str] | None = None) -> dict[str, str | list[str]]:
+    """{"gguf": file} of a model converted from a local GGUF file, {"gguf": [part, ...]} from the parts of one (the
+    download job's inputs), else {}."""
     path = entry.get("gguf", {}).get("path")
+    if isinstance(path, list):
+        return {"gguf": [paths.from_config(part, shipped) for part in path]}
     return {"gguf": paths.from_config(path, shipped)} if path else {}
+
+
+def chat_template_file(entry: dict, shipped: Callable[[str], str] | None = None) -> dict[str, str]:
+    """{"chat_template": path} of a model given a chat template from a local Jinja file or tokenizer directory (the
+    download job's input: its edit gives the model its template again), else {}."""
+    from snaketrl.models.chat_template import kind
+
+    value = entry.get("chat_template")
+    if value is None or kind(value) not in ("file", "local"):
+        return {}
+    return {"chat_template": os.path.expanduser(paths.from_config(value, shipped))}

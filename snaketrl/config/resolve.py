@@ -16,9 +16,10 @@ def model_entry(entry: dict) -> dict:
 
 
 def model_source_entry(entry: dict) -> dict:
-    """What decides a downloaded model's files: its source (hub, revision, trust_remote_code; or gguf), not how
-    runs train it (lora, quantization, chat, threads)."""
-    return {key: entry[key] for key in ("hub", "revision", "trust_remote_code", "gguf") if key in entry}
+    """What decides a downloaded model's files: its source (hub, revision, trust_remote_code; or gguf) and the chat
+    template it is given, not how runs train it (lora, quantization, chat, threads)."""
+    return {key: entry[key] for key in ("hub", "revision", "trust_remote_code", "gguf", "chat_template")
+            if key in entry}
 
 
 def chat_model(entry: dict) -> bool:

@@ -11,6 +11,7 @@ import re
 
 from snaketrl.data.formats import is_conversational
 from snaketrl.errors import ConfigError
+from snaketrl.models.chat_template import EXPECTED
 
 # An Anthropic HH transcript, as snaketrl.data.formats.from_hh leaves its prompt: "\n\nHuman: ...\n\nAssistant:".
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -54,10 +55,13 @@ def require_template(tokenizer, rows: list[dict], chat: bool, *, model: str, dat
     chat template."""
     conversational = bool(rows) and is_conversational(rows[0].get("prompt", rows[0].get("chosen")))
     if (chat or conversational) and not tokenizer.chat_template:
-        why = (f"its prompts from dataset '{dataset}' are to be chats (models.{model}.chat, datasets.{dataset}.chat)"
-               if chat else f"the rows of dataset '{dataset}' are conversations")
-        raise ConfigError(f"{where}: model '{model}' has no chat template in its tokenizer, and {why}; set "
-                          f"models.{model}.chat: false, or use a model whose tokenizer ships a chat template")
+        give = f"give it one with models.{model}.chat_template ({EXPECTED})"
+        if chat:  # datasets.<d>.chat: false is then unset (or chat would be off), whatever models.<m>.chat says
+            raise ConfigError(f"{where}: model '{model}' has no chat template in its tokenizer, and its prompts from "
+                              f"dataset '{dataset}' are to be chats (models.{model}.chat, datasets.{dataset}.chat); "
+                              f"{give}, or keep these prompts plain text with datasets.{dataset}.chat: false")
+        raise ConfigError(f"{where}: model '{model}' has no chat template in its tokenizer, and the rows of dataset "
+                          f"'{dataset}' are conversations; {give}")
 
 
 def chat_rows(rows: list[dict], chat: bool, tokenizer, *, model: str, dataset: str, where: str) -> list[dict]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from snaketrl.imports import imports_done
 from snaketrl.io import atomic, write_json
+from snaketrl.models.chat_template import RECORD_FILE
 from snaketrl.models.gguf import SOURCE_FILE
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.trainers import MODEL_CLASSES
@@ -39,5 +40,7 @@ def merge(adapter_dir, base_dir, out_dir, task_type: str = "CAUSAL_LM", threads:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json({"model_dir": str(base_dir), "adapter_dir": str(adapter_dir)}, Path(tmp) / MERGED_FROM)
-        if (Path(base_dir) / SOURCE_FILE).is_file():  # the runs that start from it record their base's source
-            shutil.copy2(Path(base_dir) / SOURCE_FILE, Path(tmp) / SOURCE_FILE)
+        # The runs that start from it record their base's source and chat template (and train its added tokens).
+        for record in (SOURCE_FILE, RECORD_FILE):
+            if (Path(base_dir) / record).is_file():
+                shutil.copy2(Path(base_dir) / record, Path(tmp) / record)

@@ -6,14 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# ChatML, the template of the Qwen2.5 instruct models: `<|im_end|>` closes every turn.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
+from snaketrl.models.chat_template import CHATML
 
 SPECIAL_TOKENS = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>"}
 
@@ -47,7 +40,7 @@ def train_tokenizer(texts, vocab_size: int):
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS,
                                    additional_special_tokens=EXTRA_TOKENS)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHATML
     return fast
 
 

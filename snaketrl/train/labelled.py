@@ -86,6 +86,8 @@ def choose(trainer: str, args: dict, device: str, model, lora: dict, tiny: bool 
     adapted |= set(lora.get("modules_to_save") or [])
     if head.rsplit(".", 1)[-1] in adapted:
         return False, f"TRL's loss on all positions: the output projection {head} is adapted (lora)"
+    if lora.get("trainable_token_indices"):  # rows of the embeddings, and of a tied or untied head, trained
+        return False, f"TRL's loss on all positions: rows of the output projection {head} train (added tokens)"
     return True, REASON
 
 

@@ -15,10 +15,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from snaketrl.data.chat import chat_rows
-from snaketrl.errors import TrainingError, one_line
+from snaketrl.errors import ConfigError, TrainingError, one_line
 from snaketrl.imports import imports_done, skip_deepspeed_inference_ops
 from snaketrl.io import atomic, hash_path, read_jsonl, write_json
 from snaketrl.kill_points import kill_point
+from snaketrl.models import chat_template
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train import live, training_samples
@@ -76,8 +77,9 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
                        spec.task_type, sharded=plan.sharded)
     prepare_tokenizer(tokenizer, model, padding_side="left" if spec.tokenized else None)
     check_lora_targets(model, run["lora"]["target_modules"], run["model"])
-    labelled, why = choose_labelled(run["trainer"], run["args"], plan.device, model, run["lora"],
-                                    "tiny" in entry)
+    # The rows of tokens a chat template added train too (the model directory records them).
+    lora = chat_template.trainable_tokens(model, model_dir, run["lora"])
+    labelled, why = choose_labelled(run["trainer"], run["args"], plan.device, model, lora, "tiny" in entry)
     if why:
         log.info("%s: loss: %s", run["name"], why)
 
@@ -86,7 +88,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     counter = TokenCounter(tokenizer.pad_token_id)
     budget = [TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []
     guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
-    trainer = build_trainer(plan, model, tokenizer, train_ds, eval_ds, labelled, reward_dir,
+    trainer = build_trainer(plan, model, tokenizer, train_ds, eval_ds, labelled, reward_dir, lora,
                             callbacks=[counter, *budget, guard, attempt, *(callbacks or [])])
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
     if budget and world > 1:
@@ -143,17 +145,25 @@ def datasets(plan: TrainPlan, tokenizer, train_file, eval_file):
     return train_ds, eval_ds
 
 
-def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled: bool, reward_dir, callbacks: list):
-    """The run's TRL trainer with its LoRA adapter, and its forward as planned: one-pass SFT loss or DPO's
-    completion logits where `labelled`, row groups, unpadded varlen layers, merged generation."""
+def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled: bool, reward_dir, lora: dict,
+                  callbacks: list):
+    """The run's TRL trainer with its LoRA adapter (`lora`: the run's, with the rows of tokens its chat template
+    added), and its forward as planned: one-pass SFT loss or DPO's completion logits where `labelled`, row groups,
+    unpadded varlen layers, merged generation."""
     from peft import LoraConfig
 
     run, spec, args = plan.run, plan.spec, plan.args
     if labelled and run["trainer"] == "sft":
         args.loss_type = "chunked_nll"  # TRL patches the model's forward for it when the trainer is built
         use_one_pass()
+    elif run["trainer"] == "sft" and chat_template.trains_head_rows(model, lora):
+        if run["args"].get("loss_type") == "chunked_nll":
+            raise ConfigError(f"run '{run['name']}': loss_type chunked_nll reads the output projection's weight "
+                              f"itself and would miss the rows trained for the tokens models.{run['model']}."
+                              f"chat_template added; use loss_type nll (or leave it unset)")
+        args.loss_type = run["args"].get("loss_type", "nll")  # TRL's default, chunked_nll, would fail there
     # a copy: peft appends its task's head names to modules_to_save, and `run` is fingerprinted
-    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(run["lora"]))
+    peft_config = LoraConfig(task_type=spec.task_type, **copy.deepcopy(lora))
     extra = trainer_kwargs(spec, run, tokenizer, reward_dir, args.bf16)
     trainer_cls = load(spec.trainer)
     if plan.batching.get("train_sampling_strategy") == "group_by_length":
@@ -207,6 +217,7 @@ def write_outputs(trainer, tokenizer, plan: TrainPlan, metrics: dict, out_dir: P
     manifest.write(out_dir / "manifest.json", resolved=run, trl_args=args.to_dict(), inputs=inputs,
                    device=plan.device, plan={**plan.report(), "notes": list(plan.notes)},
                    resumed_from=attempt.resume, model_source=read_source(model_dir),
+                   chat_template=chat_template.read_record(model_dir),
                    attempts=attempt.attempts,
                    numerics=manifest.numerics("bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"))
     return True
