@@ -242,13 +242,14 @@ class PPOTrainer(TRLPPOTrainer):
             episode = saved["episode"]
         self._session = (time.time(), episode)  # for `eps`
         loader, self.dataloader = self.dataloader, self._passes  # TRL's loop reads self.dataloader once
-        # TRL's loop logs before its step end: a stop decided there (a budget, snaketrl.train.tokens, which also
-        # turns that step's save off) ends the loop right after the callbacks heard it, before another update.
+        # TRL's loop logs before its step end: a stop decided there before the last update (a budget,
+        # snaketrl.train.tokens, which also turns that step's save off) ends the loop right after the callbacks
+        # heard it, before another update. The last update ends as TRL ends it (its save, its samples).
         step_end = self.callback_handler.on_step_end
 
         def on_step_end(args, state, control):
             control = step_end(args, state, control)
-            if control.should_training_stop:
+            if control.should_training_stop and state.global_step < state.max_steps:
                 raise _Stop
             return control
 
