@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 
@@ -117,6 +118,38 @@ def test_max_tokens_is_a_runs_and_refused_beside_max_steps_or_for_a_generating_t
     config["runs"]["grpo-qwen2-tiny"] = {"max_tokens": "lots"}
     with pytest.raises(Exception, match="'lots' is not of type 'integer', 'null'"):
         validate(config, str(ROOT / "config" / "schema.yaml"))
+
+
+def test_max_flops_is_a_runs_for_every_trainer_read_from_yaml_text_and_refused_unless_positive(config):
+    """Inherited from the trainer's entry, overridden by a run's, for generating trainers too (PPO); PyYAML reads
+    1.0e12 and 1e12 as text, which is read as the number; the value is in the run's params, so editing it changes
+    that run's params alone."""
+    import yaml
+
+    config["trainers"]["ppo"]["max_flops"] = yaml.safe_load("x: 1.0e12")["x"]
+    config["runs"]["grpo-qwen2-tiny"] = {"max_flops": yaml.safe_load("x: 2e9")["x"]}
+    assert config["trainers"]["ppo"]["max_flops"] == "1.0e12"  # what PyYAML hands over
+    validate(config, SCHEMA)
+    runs = resolve_runs(copy.deepcopy(config))
+    assert runs["ppo-qwen2-tiny"]["max_flops"] == runs["ppo-pythia-tiny"]["max_flops"] == 1.0e12
+    assert runs["grpo-qwen2-tiny"]["max_flops"] == 2.0e9 and "max_flops" not in runs["grpo-pythia-tiny"]
+    config["runs"]["grpo-qwen2-tiny"]["max_flops"] = 3e9
+    edited = resolve_runs(copy.deepcopy(config))
+    assert [name for name in runs if runs[name] != edited[name]] == ["grpo-qwen2-tiny"]
+    for value in ("lots", "0", "-1e3", "nan", float("inf"), 0):
+        config["trainers"]["ppo"]["max_flops"] = value
+        with pytest.raises(ConfigError, match=rf"^config: trainers.ppo.max_flops \(run ppo-(pythia|qwen2)-tiny\): "
+                                              rf"max_flops must be a positive number of FLOPs, such as 1.0e12 \(got "
+                                              rf"{re.escape(repr(value))}\)$"):
+            resolve_runs(copy.deepcopy(config))
+    config["trainers"]["ppo"]["max_flops"] = -5
+    with pytest.raises(ConfigError, match=r"^config: trainers.ppo.max_flops: -5 is less than or equal to the "
+                                          r"minimum of 0$"):
+        validate(config, SCHEMA)
+    config["trainers"]["ppo"]["max_flops"] = [1]
+    with pytest.raises(ConfigError, match=r"^config: trainers.ppo.max_flops: \[1\] is not of type 'number', "
+                                          r"'string', 'null'$"):
+        validate(config, SCHEMA)
 
 
 def test_no_runs_is_an_error(config):

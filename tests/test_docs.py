@@ -101,6 +101,30 @@ def test_the_seed_configs_job_count_that_cluster_md_states_is_the_dry_runs(tmp_p
     assert stated("docs/cluster.md", r"offline: (\d+) jobs listed") == [total]
 
 
+def test_the_rl_recipes_config_runs_every_registered_trainer_at_one_budget_over_three_seeds(tmp_path):
+    """config/rl-recipes.yaml, offline: 11 recipes x 3 seeds and the reward model they share, every recipe at
+    one max_flops; every trainer of the registry appears in it (KTO, ORPO, RLOO and online DPO included)."""
+    from snaketrl.config import resolve_runs, validate
+    from snaketrl.trainers import REGISTRY
+
+    path = ROOT / "config" / "rl-recipes.yaml"
+    assert dry_run(tmp_path, "--configfile", str(path))["train"] == 34
+    cfg = yaml.safe_load(path.read_text())
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    runs = resolve_runs(cfg, shipped)
+    recipes = {name: run for name, run in runs.items() if run["trainer"] != "reward"}
+    assert {run["max_flops"] for run in recipes.values()} == {2.0e10}
+    assert {run["seed"] for run in recipes.values()} == {1, 2, 3} and len(recipes) == 33
+    assert {run["trainer"] for run in runs.values()} == set(REGISTRY)
+    grpo = {run["group"]: {k: run["args"].get(k) for k in ("loss_type", "scale_rewards", "importance_sampling_level")}
+            for run in recipes.values() if run["trainer"] == "grpo"}
+    assert grpo == {"grpo-dapo": {"loss_type": "dapo", "scale_rewards": None, "importance_sampling_level": None},
+                    "grpo-original": {"loss_type": "grpo", "scale_rewards": None, "importance_sampling_level": None},
+                    "grpo-dr": {"loss_type": "dr_grpo", "scale_rewards": "none", "importance_sampling_level": None},
+                    "gspo": {"loss_type": None, "scale_rewards": None, "importance_sampling_level": "sequence"}}
+    assert {run["reward_model"] for run in recipes.values() if run["reward_model"]} == {"reward-seed42"}
+
+
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
     files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",

@@ -213,3 +213,30 @@ def test_a_checkpoint_damaged_in_place_is_set_aside_and_the_one_before_resumed(t
             f"differs)): set aside (removed), never resumed from") in caplog.text
     assert attempt.attempts[-1]["set_aside"] == {
         "checkpoint-4": "optimizer.pt (other bytes than sealed: its sha256 differs)"}
+
+
+@pytest.mark.parametrize("job", ["sft", "ppo"], indirect=True)
+def test_max_flops_stops_where_the_flops_reach_it_and_a_killed_run_stops_there_too(job, tmp_path):
+    """A budget between the FLOPs counted by step 4 and by step 5 (an unbounded run's metrics) stops the run at
+    step 5, with the unbounded run's per-step FLOPs up to there. Killed in step 4 and again after its stop,
+    before its outputs (PPO's loop logs before its step end: it must stop there too, not an update later), the
+    rerun resumes from a checkpoint before the stop (none is kept of the stopping step), adds the FLOPs it kept
+    to the new ones, and ends as the uninterrupted run did."""
+    from snaketrl.train.run import train_run
+
+    unbounded = train_run(**{**job, "out_dir": tmp_path / "unbounded", "checkpoint_dir": tmp_path / "c-unbounded"})
+    flops = unbounded["cost_by_step"]["flops"]  # cumulative, after steps 1 .. 6
+    assert unbounded["cost_by_step"]["step"] == [1, 2, 3, 4, 5, 6] and flops == sorted(set(flops))
+    job["run"] = {**job["run"], "max_flops": (flops[3] + flops[4]) / 2}
+    whole = train_run(**{**job, "out_dir": tmp_path / "whole", "checkpoint_dir": tmp_path / "c-whole"})
+    assert (whole["steps"], whole["max_flops_reached_at"]) == (5, 5)
+    assert whole["cost_by_step"]["flops"] == flops[:5] and whole["flops"] == flops[4]
+    assert json.loads((tmp_path / "whole" / "trainer_state.json").read_text())["global_step"] == 5
+
+    killed(job, "mid_step:4")
+    killed(job, "writing_outputs")
+    assert not (job["checkpoint_dir"] / "checkpoint-5").exists()
+    train_run(**job)
+    starts = [a["started_at_step"] for a in json.loads((job["out_dir"] / "manifest.json").read_text())["attempts"]]
+    assert starts == ([0, 3, 3] if job["run"]["trainer"] == "ppo" else [0, 2, 4])
+    assert_same(result(job["out_dir"]), result(tmp_path / "whole"))

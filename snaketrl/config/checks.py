@@ -74,6 +74,8 @@ def resolve_runs(config: dict, shipped: Callable[[str], str] | None = None, gpus
         check_run_counts(config, name, run, trl_args(config, run))
         _check_run_batching(config, run, where)
         _check_max_tokens(config, name, run)
+        if run.get("max_flops") is not None:
+            run["max_flops"] = max_flops(run["max_flops"], f"{written_at(config, name, run, 'max_flops')} (run {name})")
         _check_vllm(config, name, run)
         check_switches(run["trainer"], trl_args(config, run), where, run["model"], config["models"][run["model"]])
     for name, model in config["models"].items():
@@ -169,6 +171,21 @@ def _check_max_tokens(config: dict, name: str, run: dict) -> None:
                           f"known before training; bound it with args.max_steps")
     if "max_steps" in trl_args(config, run):
         raise ConfigError(f"config: {at}: max_tokens sets max_steps; the run also sets args.max_steps: keep one")
+
+
+def max_flops(value, at: str) -> float:
+    """A run's max_flops as a number: YAML 1.1 reads 1.0e12 and 1e12 as text (only 1.0e+12 as a float), so
+    such text is read here; anything else but a positive finite number is refused."""
+    import math
+
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        raise ConfigError(f"config: {at}: max_flops must be a positive number of FLOPs, such as 1.0e12 (got "
+                          f"{value!r})")
+    return float(number)
 
 
 def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: str) -> None:

@@ -60,7 +60,7 @@ def with_model(ref: str, model: str, where: str) -> str:
 
 
 INHERITED = ("dataset", "reward_funcs", "reward_model", "policy", "distributed", "processes", "eval_rows",
-             "max_tokens")
+             "max_tokens", "max_flops")
 
 
 def written_at(config: dict, name: str, run: dict, key: str) -> str:

@@ -71,6 +71,7 @@ def resolve_run(config: dict, name: str, run: dict, reward_model_entry: dict | N
         **({"chat": True} if chat_prompts(config["models"][run["model"]], config["datasets"][run["dataset"]]) else {}),
         **({"eval_rows": run["eval_rows"]} if run.get("eval_rows") else {}),
         **({"max_tokens": run["max_tokens"]} if run.get("max_tokens") else {}),
+        **({"max_flops": run["max_flops"]} if run.get("max_flops") else {}),
         **({"reward_trust_remote_code": True} if remote_code.trusted(reward_model_entry) else {}),
     })
 

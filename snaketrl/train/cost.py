@@ -180,13 +180,18 @@ def peak_memory() -> dict:
     return out
 
 
+def step_flops(step: dict) -> int:
+    """One per-step record's FLOPs: trained and forward-only together."""
+    return step.get("flops_trained", 0) + step.get("flops_forward_only", 0)
+
+
 def cost_summary(steps: list[dict]) -> dict:
     """Totals over the per-step records (snaketrl.train.tokens.TokenCounter.steps) and the cumulative FLOPs and
     seconds at every optimizer step, to put a log_history's steps on a compute axis."""
     flops = seconds = 0
     curve = {"step": [], "flops": [], "seconds": []}
     for s in steps:
-        flops += s.get("flops_trained", 0) + s.get("flops_forward_only", 0)
+        flops += step_flops(s)
         seconds += s["seconds"]
         curve["step"].append(s["step"])
         curve["flops"].append(flops)

@@ -242,6 +242,18 @@ class PPOTrainer(TRLPPOTrainer):
             episode = saved["episode"]
         self._session = (time.time(), episode)  # for `eps`
         loader, self.dataloader = self.dataloader, self._passes  # TRL's loop reads self.dataloader once
+        # TRL's loop logs before its step end: a stop decided there before the last update (a budget,
+        # snaketrl.train.tokens, which also turns that step's save off) ends the loop right after the callbacks
+        # heard it, before another update. The last update ends as TRL ends it (its save, its samples).
+        step_end = self.callback_handler.on_step_end
+
+        def on_step_end(args, state, control):
+            control = step_end(args, state, control)
+            if control.should_training_stop and state.global_step < state.max_steps:
+                raise _Stop
+            return control
+
+        self.callback_handler.on_step_end = on_step_end
         # TRL runs gc.collect() twice an update; each rescans every object alive now (modules, models),
         # which outlive training anyway: seconds per update on a tiny model, none once they are frozen.
         gc.freeze()
@@ -249,12 +261,13 @@ class PPOTrainer(TRLPPOTrainer):
         try:
             with self._autocast():
                 super().train()
-        except _Stop:  # left at the log, before that update's checkpoint; the callbacks still hear the end
+        except _Stop:  # left at the log or step end, before another update; the callbacks still hear the end
             self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         finally:
             self._training = False
             gc.unfreeze()
             self.dataloader = loader
+            del self.callback_handler.on_step_end
             self.args.num_total_batches = total
             for callback in added:
                 self.callback_handler.callbacks.remove(callback)

@@ -47,7 +47,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
 
     from snaketrl.train.checkpoints import Attempt
     from snaketrl.train.guard import DivergenceGuard
-    from snaketrl.train.tokens import TokenBudget, TokenCounter
+    from snaketrl.train.tokens import FlopBudget, TokenBudget, TokenCounter
 
     # Plan: everything the job decides from its config, the length stage's file, the device and the process
     # group, before any model loads (snaketrl.train.plan).
@@ -86,13 +86,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     # Build the trainer, with the workflow's callbacks and its forward as planned.
     train_ds, eval_ds = datasets(plan, tokenizer, train_file, eval_file)
     counter = TokenCounter(tokenizer.pad_token_id)
-    budget = [TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []
+    budget = [*([TokenBudget(counter, run["max_tokens"])] if run.get("max_tokens") else []),
+              *([FlopBudget(counter, run["max_flops"])] if run.get("max_flops") else [])]
     guard = DivergenceGuard(run["name"], run["trainer"], checkpoint_dir, loss_scaling=args.fp16)
     trainer = build_trainer(plan, model, tokenizer, train_ds, eval_ds, labelled, reward_dir, lora,
                             callbacks=[counter, *budget, guard, attempt, *(callbacks or [])])
     counter.watch(trainer)  # FLOPs of its reference, reward and value models too
-    if budget and world > 1:
-        budget[0].reduce = lambda n: trainer.accelerator.reduce(
+    for kept in budget if world > 1 else []:
+        kept.reduce = lambda n: trainer.accelerator.reduce(
             torch.tensor(n, device=trainer.accelerator.device), "sum").item()
     attempt.attach(trainer, counter, training_samples.attach(trainer, attempt.samples, run["name"]))
 
@@ -118,6 +119,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
         metrics.update(max_tokens=run["max_tokens"], max_steps=args.max_steps, steps=trainer.state.global_step)
         log.info("%s: %d real tokens in %d of at most %d steps (max_tokens %d)", run["name"], metrics["real_tokens"],
                  trainer.state.global_step, args.max_steps, run["max_tokens"])
+    if run.get("max_flops"):
+        flop_budget = budget[-1]
+        metrics.update(max_flops=run["max_flops"], max_flops_reached_at=flop_budget.reached_at,
+                       steps=trainer.state.global_step)
+        if flop_budget.reached_at is None:
+            log.warning("%s: the schedule ended at step %d with %.3g FLOPs, before max_flops %.3g: raise max_steps "
+                        "(or num_train_epochs) to spend the budget", run["name"], trainer.state.global_step,
+                        metrics["flops"], run["max_flops"])
     if world > 1:
         metrics.update(group_metrics(trainer, plan.batch))
     if spec.evaluates:

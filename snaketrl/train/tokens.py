@@ -7,7 +7,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from snaketrl.train.cost import FlopMeter, cost_summary, decoder, models_of, peak_memory
+from snaketrl.train.cost import FlopMeter, cost_summary, decoder, models_of, peak_memory, step_flops
 
 
 class TokenCounter(TrainerCallback):
@@ -104,21 +104,34 @@ class TokenBudget(TrainerCallback):
     holds the longest examples) reach the budget in fewer steps, and without this a run of a few steps
     trained twice its budget on long data."""
 
-    def __init__(self, counter: TokenCounter, max_tokens: int, reduce=None):
-        self.counter, self.max_tokens = counter, max_tokens
+    def __init__(self, counter: TokenCounter, limit: float, reduce=None):
+        self.counter, self.limit = counter, limit
         self.reduce = reduce  # sums a count over the processes training together (every one stops at once)
         self.reached_at: int | None = None
 
+    @staticmethod
+    def count(step: dict) -> int:
+        return step["real"]
+
     def on_step_end(self, args, state, control, **kwargs):
-        real = sum(step["real"] for step in self.counter.steps)
+        total = sum(self.count(step) for step in self.counter.steps)
         if self.reduce is not None:
-            real = int(self.reduce(real))
-        if real >= self.max_tokens:
+            total = int(self.reduce(total))
+        if total >= self.limit:
             self.reached_at = state.global_step
             control.should_training_stop = True
             # No checkpoint of the last step: a run killed before its outputs were written resumes from the one
             # before and stops here again (resumed from this one, transformers would train one more step first).
             control.should_save = False
+
+
+class FlopBudget(TokenBudget):
+    """A run's max_flops: training stops at the first optimizer step by which the FLOPs counted so far
+    (snaketrl.train.cost: trained passes, generation, reference, reward and value models; every attempt's
+    and every process's, as the report adds them) reach the budget. The schedule (max_steps, or the epochs)
+    stays the bound."""
+
+    count = staticmethod(step_flops)
 
 
 # Per-step records of processes that trained together: counts and FLOPs add up, a step lasts as long as its
