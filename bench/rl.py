@@ -11,8 +11,9 @@ steps, completion cap, generations per prompt, batch, learning rate and sampling
                 docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
   snaketrl      the workflow's train_run on the run as the config resolves it, with the length stage's choice
   snaketrl-compiled  the same with its decode compiled on a static cache (snaketrl.train.generation.compile_decode,
-                the cache sized for the longest prompt of the rows plus the completion cap): measured before the
-                plan chooses it on a device
+                the cache sized for the longest prompt of the rows plus the completion cap; on a CPU through
+                transformers' `_compile_all_devices`): the compile is in step 1, which the table leaves out.
+                Measured before the plan chooses it on a device (on a CPU it was slower: docs/benchmarks.md)
 Each optimizer step is timed on the wall clock and on the process's CPU clock (with one thread on a shared machine
 the steadier measure: other load stretches wall time, not a one-thread process's CPU time), and split into
   generation    TRL's `_generate` (sampling the completions)
@@ -226,7 +227,8 @@ def compiled_on_first_generation(cls) -> None:
             tokenizer = trainer.processing_class
             longest = max(len(tokenizer(maybe_apply_chat_template({"prompt": row["prompt"]}, tokenizer)["prompt"],
                                         add_special_tokens=False)["input_ids"]) for row in trainer.train_dataset)
-            compile_decode(trainer, -(-(longest + trainer.max_completion_length) // 64) * 64)
+            compile_decode(trainer, -(-(longest + trainer.max_completion_length) // 64) * 64,
+                           trainer.accelerator.device.type)
             trainer._bench_compiled = True
         return generate(trainer, *args, **kwargs)
 

@@ -74,6 +74,52 @@ def test_trained_reference_and_generation_passes_count_what_they_compute(lora_mo
             h.remove()
 
 
+def test_a_compiled_decode_step_is_counted_outside_its_graph_as_an_eager_one(lora_model):
+    """Generation on a static cache with transformers' compiled decode step (dynamo only: the eager backend): the
+    FLOPs by hand of the eager generation above, with no graph break from the hooks; removing the handles
+    removes the compiled step's counting too."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig, GenerationConfig
+
+    from snaketrl.train.cost import FlopMeter
+
+    task = lora_model.get_base_model()
+    meter = FlopMeter()
+    handles = meter.hook({"policy": lora_model})
+    ids = torch.randint(0, VOCAB, (3, 10))
+    compile_config = CompileConfig(backend="eager", fullgraph=True)
+    compile_config._compile_all_devices = True
+    config = GenerationConfig(max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation="static",
+                              max_cache_len=32, compile_config=compile_config)
+    counters.clear()
+    try:
+        with torch.no_grad():
+            lora_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+        pairs = 3 * 10 * 10 + sum(3 * (10 + i) for i in range(1, 5))  # keys written so far, not the cache's 32
+        assert meter.take() == {"flops_trained": 0, "flops_forward_only": forward_flops(30 + 12, pairs, 3 + 12),
+                                "forward_only_tokens": 42}
+        assert "get_compiled_call" in vars(task)
+    finally:
+        for h in handles:
+            h.remove()
+    assert "get_compiled_call" not in vars(task)
+
+
+def test_head_tokens_follow_logits_to_keep():
+    import torch
+
+    from snaketrl.train.cost import head_tokens
+
+    ids = torch.zeros(3, 10)
+    assert head_tokens((), {"input_ids": ids}) == 30
+    assert head_tokens((), {"input_ids": ids, "logits_to_keep": 0}) == 30
+    assert head_tokens((), {"input_ids": ids, "logits_to_keep": 1}) == 3
+    assert head_tokens((), {"input_ids": ids, "logits_to_keep": 20}) == 30
+    assert head_tokens((), {"input_ids": ids, "logits_to_keep": torch.tensor([2, 5])}) == 6
+
+
 def test_query_key_pairs_of_padding_free_and_cached_forwards():
     import torch
 

@@ -204,3 +204,97 @@ def test_the_plan_keeps_trls_generation_on_a_gpu_and_for_sharded_weights():
     assert merges_for_generation(run, "cpu", args, sharded=False)[0] is True
     assert merges_for_generation(run, "cpu", args, sharded=True)[0] is False
     assert merges_for_generation(run, "cuda", args, sharded=False)[0] is False  # not measured on a GPU
+
+
+def grpo_trainer(tmp_path, tiny_model_dir):
+    """A built GRPO trainer on the tiny model, TRL's generation (sampling, 16 new tokens at most), with the
+    workflow's token and FLOP hooks installed as a train job installs them."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from snaketrl.train.tokens import TokenCounter
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = read_jsonl(ROOT / "data/samples/tldr.jsonl")[:4]
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
+                      max_completion_length=16, temperature=0.7, report_to="none", use_cpu=True)
+    counter = TokenCounter(tokenizer.pad_token_id)
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, reward_funcs=lambda completions, **_:
+                          [0.0] * len(completions), train_dataset=Dataset.from_list([{"prompt": r["prompt"]}
+                                                                                     for r in rows]),
+                          peft_config=LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32,
+                                                 target_modules=["q_proj", "k_proj", "v_proj"]),
+                          callbacks=[counter])
+    counter.watch(trainer)
+    counter.on_train_begin(args, trainer.state, trainer.control, model=trainer.model)
+    return trainer, counter, [tokenizer(r["prompt"])["input_ids"][-40:] for r in rows]
+
+
+def test_compiled_decode_gives_trls_tokens_without_a_graph_break_and_counts_the_same_flops(tmp_path, tiny_model_dir):
+    """compile_decode on a CPU (transformers' `_compile_all_devices`): TRL's sampled completions under the same seed,
+    token for token (compared exactly); the decode step one graph with snaketrl's token and FLOP hooks installed
+    (traced into it, the FLOP hook broke it on the cache's length, a tensor: on the H200, CUDA graphs of the
+    pieces overwrote each other's outputs); the generation's FLOPs those of the eager generation (the compiled
+    steps counted outside the graph). Compiled by dynamo and AOT autograd (the static cache's in-place writes
+    functionalized) and run without inductor's code generation, whose C++ kernels take minutes on a busy
+    2-core machine: with inductor the tokens were measured equal too (8 rows of 24, two adapters, bench/rl.py)."""
+    from torch._dynamo.utils import counters
+    from transformers import set_seed
+
+    from snaketrl.train.generation import compile_decode
+
+    trainer, counter, prompt_ids = grpo_trainer(tmp_path, tiny_model_dir)
+
+    def generate():
+        set_seed(0)
+        completions, _ = trainer._generate_single_turn(prompt_ids, None, {})
+        return completions, counter.flops.take()
+
+    eager, eager_flops = generate()
+    assert trainer.generation_config.disable_compile and trainer.generation_config.cache_implementation is None
+    assert max(len(c) for c in eager) == 16 and eager_flops["forward_only_tokens"] > 4 * 16
+    compile_decode(trainer, 64, "cpu")
+    trainer.generation_config.compile_config.backend = "aot_eager"
+    counters.clear()
+    compiled, compiled_flops = generate()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step, compiled once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert compiled == eager
+    assert compiled_flops == eager_flops
+    again, again_flops = generate()  # the compiled step again: no recompile, the same count
+    assert again == eager and again_flops == eager_flops and counters["stats"]["unique_graphs"] == 1
+
+
+def test_merged_generation_composes_with_a_compiled_decode(tiny_model_dir):
+    """Merged generation swaps each adapted layer's weight tensor for a merged copy on every call; a compiled decode
+    step reads the weights as inputs of its graph (not constants): merged and compiled, the tokens of the unmerged
+    eager generation, for the adapter before and after it changes (the second call's merged copies are new)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from snaketrl.train.generation import merged
+
+    model, tokenizer = lora_model(tiny_model_dir)
+    inputs = prompts(tokenizer, n=4)
+    counters.clear()
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True)
+    compile_config._compile_all_devices = True
+    compiled = {"cache_implementation": "static", "max_cache_len": 64, "compile_config": compile_config}
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    before = None
+    for _ in range(2):
+        eager = generate(model, tokenizer, inputs, **sampling)
+        with merged(model):
+            assert generate(model, tokenizer, inputs, **sampling, **compiled) == eager
+        assert eager != before  # the adapter's change changed the tokens: the second comparison is not the first's
+        before = eager
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.2)
+    assert counters["stats"]["unique_graphs"] == 1  # compiled once: new weight tensors are new inputs, no recompile

@@ -56,9 +56,7 @@ def query_key_pairs(args, kwargs) -> tuple[int, int]:
     sees (the cache included while generating); without one, a cache's length plus the new tokens, or in a
     padding-free batch (one row, positions restarting at 0) each packed sequence's own length (then the pairs
     are a 0-d tensor on the batch's device)."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:-1]
-    rows, width = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[-1])
+    rows, width = input_shape(args, kwargs)
     tokens = rows * width
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() in (2, 4):
@@ -66,11 +64,29 @@ def query_key_pairs(args, kwargs) -> tuple[int, int]:
     cache = kwargs.get("past_key_values")
     past = cache.get_seq_length() if cache is not None and hasattr(cache, "get_seq_length") else 0
     positions = kwargs.get("position_ids")
-    if not past and rows == 1 and torch.is_tensor(positions):
+    # `not past` last: a static cache's length is a tensor, whose truth the CPU would wait for on a GPU.
+    if rows == 1 and torch.is_tensor(positions) and not past:
         # A sequence at positions 0 .. n-1 has n² pairs, the sum of 2·position + 1 over its tokens. Left on the
         # device (a 0-d tensor): reading it here would make the CPU wait for the GPU on every forward.
         return tokens, (2 * positions.reshape(-1).long() + 1).sum()
     return tokens, tokens * (width + past)
+
+
+def input_shape(args, kwargs) -> tuple[int, int]:
+    """(rows, width) of a forward's input ids (or embeddings); a 1-D input is one row."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:-1]
+    return (1, shape[0]) if len(shape) == 1 else (shape[0], shape[-1])
+
+
+def head_tokens(args, kwargs) -> int:
+    """Tokens a causal LM's head runs on in one forward: transformers' `logits_to_keep` (an int: the last k of
+    each row, 0 all of them; a tensor: the positions it holds)."""
+    rows, width = input_shape(args, kwargs)
+    keep = kwargs.get("logits_to_keep", 0)
+    if torch.is_tensor(keep):
+        return rows * keep.numel()
+    return rows * (min(keep, width) if keep else width)
 
 
 def decoder(model):
@@ -86,11 +102,14 @@ def decoder(model):
 class FlopMeter:
     """Counts the FLOPs above with forward hooks on each model's decoder and head, split into trained
     (forward and backward of passes with gradients) and forward-only; `take()` hands the counts since the
-    last call over and starts again."""
+    last call over and starts again. A decode step generate runs compiled is counted as its eager forward."""
 
     def __init__(self):
         self.weights: dict[str, dict] = {}  # model -> its N, N_trainable, LoRA weights, L, d
         self.trained = self.forward_only = self.forward_tokens = 0
+        # True within a compiled call counted before it ran (`_count_compiled`): the hooks traced into its graph
+        # count nothing there (read as a constant at trace time: no graph break, one guard)
+        self.counted_outside = False
 
     def hook(self, models: dict) -> list:
         """Hook every model of `models` (name -> module; each module once); returns the hook handles."""
@@ -111,10 +130,47 @@ class FlopMeter:
                     "head_trainable": sum(linear_weights(h)[1] for h in heads)}
             self.weights[name] = info
             trains = bool(trained or info["head_trainable"])
-            handles.append(backbone.register_forward_pre_hook(self._decoder(info, loras, trains), with_kwargs=True))
-            for head in heads:
-                handles.append(head.register_forward_pre_hook(self._head(*linear_weights(head), trains)))
+            count_decoder = self._decoder(info, loras, trains)
+            count_heads = [self._head(*linear_weights(head), trains) for head in heads]
+            handles.append(backbone.register_forward_pre_hook(self._hook(count_decoder), with_kwargs=True))
+            for head, count in zip(heads, count_heads):
+                handles.append(head.register_forward_pre_hook(self._hook(
+                    lambda args, kwargs, count=count: count(args[0].numel() // args[0].shape[-1]))))
+            if hasattr(task, "get_compiled_call"):
+                handles.append(self._count_compiled(task, count_decoder, count_heads))
         return handles
+
+    def _hook(self, count):
+        """A forward pre-hook (with or without kwargs) running `count(args, kwargs)` unless the call is counted
+        outside (a compiled decode step)."""
+        def hook(module, args, kwargs=None):
+            if not self.counted_outside:
+                count(args, kwargs or {})
+        return hook
+
+    def _count_compiled(self, task, count_decoder, count_heads) -> "Restored":
+        """transformers' generate runs its decode steps through `task.get_compiled_call`'s function
+        (snaketrl.train.generation.compile_decode). Its calls are counted here, before each runs and outside its
+        graph, as the hooks count an eager forward of the same inputs: traced into the graph, the hooks would
+        break it (a static cache's length is a tensor, the query-key pairs branch on it)."""
+        original = task.get_compiled_call
+
+        def get_compiled_call(compile_config):
+            compiled = original(compile_config)
+
+            def counted(*args, **kwargs):
+                count_decoder(args, kwargs)
+                for count in count_heads:
+                    count(head_tokens(args, kwargs))
+                self.counted_outside = True
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    self.counted_outside = False
+            return counted
+
+        task.get_compiled_call = get_compiled_call
+        return Restored(task, "get_compiled_call")
 
     def _add(self, tokens: int, weights: int, trainable: int, attention: int, trains: bool, count_tokens: bool):
         forward = 2 * weights * tokens + attention
@@ -125,7 +181,7 @@ class FlopMeter:
             self.forward_tokens += tokens if count_tokens else 0
 
     def _decoder(self, info: dict, loras: list, trains: bool):
-        def count(module, args, kwargs):
+        def count(args, kwargs):
             tokens, pairs = query_key_pairs(args, kwargs)
             off = bool(loras) and (loras[0].disable_adapters or loras[0].merged)  # a reference pass, or merged
             weights = info["weights"] - (info["lora"] if off else 0)
@@ -134,10 +190,9 @@ class FlopMeter:
         return count
 
     def _head(self, weights: int, trainable: int, trains: bool):
-        def count(module, args):
+        def count(tokens: int):
             # A frozen head of a trained model still passes its activations' gradient down (LoRA below it).
-            hidden = args[0]
-            self._add(hidden.numel() // hidden.shape[-1], weights, trainable, 0, trains, False)
+            self._add(tokens, weights, trainable, 0, trains, False)
         return count
 
     def take(self) -> dict:
@@ -150,6 +205,16 @@ class FlopMeter:
 
     def reset(self) -> None:
         self.trained = self.forward_only = self.forward_tokens = 0
+
+
+class Restored:
+    """A hook handle for an attribute set on an object: `remove()` deletes it (the class's shows again)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
 
 
 def models_of(trainer) -> dict:

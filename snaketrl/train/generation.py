@@ -1,4 +1,4 @@
-"""An online trainer's generation with its LoRA adapter merged into the base weights.
+"""How an online trainer generates: with its LoRA adapter merged into the base weights, or its decode compiled.
 
 Unmerged, every decode step runs each adapted projection's two small matmuls, its scaling and its add beside the
 base matmul. Merged (W + B A s in one matrix), a step runs the base model's matmuls only. The trained pass must
@@ -7,6 +7,11 @@ step after step. So each merge writes into a new tensor (peft's safe_merge) and 
 tensor back in place: the base weights are never written.
 
 Decided in the plan (snaketrl.train.plan: `merged_generation`), applied by snaketrl.train.run.build_trainer.
+
+Compiled decode (`compile_decode`) is bench/rl.py's `snaketrl-compiled` arm only: on a CPU it measured slower than
+the eager decode (docs/benchmarks.md), and no GPU has measured it yet. It composes with merged generation: the
+compiled step takes the weights as inputs of its graph, so each call's merged copies are read, without a recompile
+(tests/test_generation.py).
 """
 
 from __future__ import annotations
@@ -60,13 +65,21 @@ def merge_for_generation(trainer, trainer_name: str) -> None:
     setattr(trainer, name, generate_merged)
 
 
-def compile_decode(trainer, max_cache_len: int) -> None:
+def compile_decode(trainer, max_cache_len: int, device: str) -> None:
     """Patch a built GRPO or RLOO trainer (generating with the policy's own generate): its decode steps run on a
     static KV cache of `max_cache_len` positions through transformers' compiled forward (on CUDA, CUDA graphs:
     one launch a step instead of a few hundred kernels). TRL sets `disable_compile` on its generation config; a
     cache of one size for every batch (the longest prompt plus the completion cap) keeps it to one compile per
-    batch size."""
-    for kwargs in (trainer.generation_kwargs,):
-        kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
+    batch size. transformers compiles on CUDA only unless told otherwise: on another `device` its
+    `_compile_all_devices` flag is set. `fullgraph`: a graph break in the decode step fails at the first step
+    instead of running in pieces (under CUDA graphs, a piece's output is overwritten by the next piece's run:
+    the H200's "accessing tensor output of CUDAGraphs that has been overwritten"). The prefill stays eager, as
+    transformers runs it; snaketrl.train.cost.FlopMeter counts each compiled step outside its graph."""
+    from transformers import CompileConfig
+
+    trainer.generation_kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = device != "cuda" or None
     config = trainer.generation_config
     config.cache_implementation, config.max_cache_len, config.disable_compile = "static", max_cache_len, False
+    config.compile_config = compile_config
