@@ -205,6 +205,7 @@ class PPOStepSplit:
         self.steps: list[dict] = []
         self.current: dict | None = None
         self.checkpointing: bool | None = None  # what the policy trained with (PPOConfig's flag is not applied)
+        self.sampling = False
 
     def wrap(self, module) -> None:
         import types
@@ -212,6 +213,7 @@ class PPOStepSplit:
         for name in ("batch_generation", "forward", "get_reward"):
             setattr(module, name, self.timed(getattr(module, name), name))
         module.PPOTrainer.log = self.logged(module.PPOTrainer.log)
+        module.PPOTrainer.generate_completions = self.unmeasured(module.PPOTrainer.generate_completions)
         # TRL's loop calls gc.collect() twice an update (in the rollout and after it), each a scan of every live
         # object: the module's own `gc` is swapped for a copy whose collect is timed
         timed_gc = types.ModuleType("gc")
@@ -229,7 +231,7 @@ class PPOStepSplit:
         @functools.wraps(function)
         def timed(*args, **kwargs):
             step = split.current
-            if step is None:  # outside an update (TRL's sampling of eval completions)
+            if step is None or split.sampling:  # outside an update, or sampling eval completions (in `other`)
                 return function(*args, **kwargs)
             started = clocks()
             key = name
@@ -255,6 +257,23 @@ class PPOStepSplit:
             return out
 
         return timed
+
+    def unmeasured(self, method):
+        """`method` (TRL's sampling of eval completions, every num_total_batches // num_sample_generations updates)
+        counts in no part but `other`, its generation and passes too."""
+        import functools
+
+        split = self
+
+        @functools.wraps(method)
+        def unmeasured(*args, **kwargs):
+            split.sampling = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                split.sampling = False
+
+        return unmeasured
 
     def logged(self, log):
         import functools
@@ -283,7 +302,7 @@ class PPOStepSplit:
 
         class Clock(TrainerCallback):
             def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-                split.checkpointing = bool(model.policy.is_gradient_checkpointing)
+                split.checkpointing = bool(model.policy.is_activation_checkpointing)
                 optimizer.step = split.timed_optimizer(optimizer.step)
                 split.open()
 
