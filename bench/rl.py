@@ -532,8 +532,11 @@ def ppo_prompts(config: dict, run: dict, model_dir: Path, work: Path) -> tuple[P
     length stage, then their token ids (the workflow's tokenize_prompts job)."""
     from snaketrl.data.lengths import histogram, tokenize_prompt_files
 
-    train, evals = prepared(config, run, work)
-    out = work / "data" / run["dataset"] / run["trainer"] / run["model"]
+    train, evals = prepared(config, run, work, unique=False)
+    batch = ppo_batch(run)
+    if len(train.read_text().splitlines()) < batch:  # TRL's loop would wait forever on an empty DataLoader
+        sys.exit(f"{train}: fewer prompts than PPO's batch of {batch} (its DataLoader drops a short last batch)")
+    out = train.parent / run["model"]
     if not (out / "eval.jsonl").is_file():  # written last
         histogram(model_dir, train, length_settings(config, run, None), out / "lengths.json", out / "lengths.png",
                   run["name"], model=run["model"], dataset=run["dataset"])
@@ -545,12 +548,17 @@ def ppo_prompts(config: dict, run: dict, model_dir: Path, work: Path) -> tuple[P
 def ppo_schedule(run: dict, steps: int) -> dict:
     """`steps` PPO updates: TRL's loop runs total_episodes / (per_device_train_batch_size x gradient_accumulation)
     of them on one process, whatever max_steps says."""
+    return {"total_episodes": steps * ppo_batch(run), "save_strategy": "no", "eval_strategy": "no",
+            "logging_steps": 1}
+
+
+def ppo_batch(run: dict) -> int:
+    """Completions of a PPO update on one process: per_device_train_batch_size x gradient_accumulation_steps."""
     from trl.experimental.ppo import PPOConfig
 
     defaults = PPOConfig.__dataclass_fields__
-    batch = (run["args"].get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default)
-             * run["args"].get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
-    return {"total_episodes": steps * batch, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1}
+    return (run["args"].get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default)
+            * run["args"].get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
 
 
 def measure(job: dict) -> dict:
