@@ -1,9 +1,10 @@
 """Online RL as a user writes it in TRL, against snaketrl's job, step by step, in one run.
 
 For every online run of the config (bench/rl.yaml: GRPO and RLOO on SmolLM2-135M-Instruct, 16 completions of at
-most 64 tokens a step; PPO, 8 completions of at most 24 tokens an update) and every seed, --steps optimizer steps in a process of its own for each arm, every arm with
-the same model, prompts (the workflow's rows, as chat turns where it gives them so), reward functions, LoRA, seed,
-steps, completion cap, generations per prompt, batch, learning rate and sampling temperature:
+most 64 tokens a step; PPO, 8 completions of at most 24 tokens an update) and every seed, --steps optimizer steps
+(PPO: updates) in a process of its own for each arm, every arm with the same model, prompts (the workflow's rows,
+as chat turns where it gives them so), reward functions, LoRA, seed, steps, completion cap, generations per prompt,
+batch, learning rate and sampling temperature:
   trl           TRL's GRPOTrainer / RLOOTrainer written plainly, with its defaults for everything else (activation
                 checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
   trl-tuned     what a user who tunes TRL writes: activation checkpointing off, generation by model.generate
@@ -41,12 +42,12 @@ keyed by the reward run's settings). Every arm starts PPO from the base model, a
 an SFT run (the bench trains no SFT; it says so). The trl arm is TRL's example script with LoRA: the reference is the
 adapter-free policy (ref_model=None), reward and value model loaded from the merged reward model, a "[PAD]" pad
 token (TRL's PPO needs one other than eos). PPOConfig's activation_checkpointing defaults to on but its loop never
-applies it: the table reports what the policy ran with. Prints, per arm, the means of the steps after the first (the first pays one-off
-costs) for the seed of fewest CPU seconds a step: step and parts (wall / CPU), completions per step second,
-generated tokens per generation second, trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each
-seed's reward curve (mean reward of each step's completions) and the arm's mean reward against `trl`'s with its
-standard error over seeds; then the ratios against `trl` (parts on the CPU clock). --out writes every number (each
-step of each seed).
+applies it: the table reports what the policy ran with.
+Prints, per arm, the means of the steps after the first (the first pays one-off costs) for the seed of fewest CPU
+seconds a step: step and parts (wall / CPU), completions per step second, generated tokens per generation second,
+trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each seed's reward curve (mean reward of each
+step's completions) and the arm's mean reward against `trl`'s with its standard error over seeds; then the ratios
+against `trl` (parts on the CPU clock). --out writes every number (each step of each seed).
 
     python bench/rl.py --steps 3 --seeds 1 2 --threads 1 --out rl.json    # the CPU table (docs/real-model.md)
     python bench/rl.py --runs grpo-smollm2 --arms trl-tuned trl-tuned-cb --steps 3 --threads 1   # which is faster
@@ -416,7 +417,8 @@ def plain_trl_ppo(job: dict, callbacks: list) -> dict:
     evals = read_jsonl(job["eval"])[:run.get("eval_rows") or None]
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward_model, value_model=value_model,
-                         train_dataset=Dataset.from_list(read_jsonl(job["train"])), eval_dataset=Dataset.from_list(evals),
+                         train_dataset=Dataset.from_list(read_jsonl(job["train"])),
+                         eval_dataset=Dataset.from_list(evals),
                          peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=callbacks)
     trainer.train()
     return {"activation_checkpointing": config.activation_checkpointing, "bf16": config.bf16,
