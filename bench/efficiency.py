@@ -104,14 +104,16 @@ def base_model(config: dict, name: str, work: Path) -> Path:
     return out
 
 
-def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
-    """The run's train and eval rows as its trainer reads them (snaketrl.data: fetch, then preprocess)."""
+def prepared(config: dict, run: dict, work: Path, unique: bool = True) -> tuple[Path, Path]:
+    """The run's train and eval rows as its trainer reads them (snaketrl.data: fetch, then preprocess), each
+    distinct row once unless not `unique` (as the workflow: PPO's prompts, 5 distinct in the descriptiveness
+    sample's 400 pairs, each as often as its pairs)."""
     from snaketrl.data.fetch import fetch
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import write_jsonl
     from snaketrl.trainers import REGISTRY
 
-    out = work / "data" / run["dataset"] / run["trainer"]
+    out = work / "data" / run["dataset"] / (run["trainer"] if unique else f"{run['trainer']}-all")
     if not (out / "eval.jsonl").is_file():
         entry = run["dataset_entry"]
         got = fetch(run["dataset"], fetchable(entry), config["seed"])
@@ -119,8 +121,9 @@ def prepared(config: dict, run: dict, work: Path) -> tuple[Path, Path]:
             rows = preprocess(rows, dataset=run["dataset"], trainer=run["trainer"],
                               layout=REGISTRY[run["trainer"]].layout, columns=entry["columns"], split=split,
                               format=entry["format"], bad_rows=entry["bad_rows"]).rows
-            unique = list({json.dumps(r, sort_keys=True): r for r in rows}.values())
-            write_jsonl(unique, out / f"{split}.jsonl")
+            if unique:
+                rows = list({json.dumps(r, sort_keys=True): r for r in rows}.values())
+            write_jsonl(rows, out / f"{split}.jsonl")
     return out / "train.jsonl", out / "eval.jsonl"
 
 

@@ -1,9 +1,10 @@
 """Online RL as a user writes it in TRL, against snaketrl's job, step by step, in one run.
 
 For every online run of the config (bench/rl.yaml: GRPO and RLOO on SmolLM2-135M-Instruct, 16 completions of at
-most 64 tokens a step) and every seed, --steps optimizer steps in a process of its own for each arm, every arm with
-the same model, prompts (the workflow's rows, as chat turns where it gives them so), reward functions, LoRA, seed,
-steps, completion cap, generations per prompt, batch, learning rate and sampling temperature:
+most 64 tokens a step; PPO, 8 completions of at most 24 tokens an update) and every seed, --steps optimizer steps
+(PPO: updates) in a process of its own for each arm, every arm with the same model, prompts (the workflow's rows,
+as chat turns where it gives them so), reward functions, LoRA, seed, steps, completion cap, generations per prompt,
+batch, learning rate and sampling temperature:
   trl           TRL's GRPOTrainer / RLOOTrainer written plainly, with its defaults for everything else (activation
                 checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
   trl-tuned     what a user who tunes TRL writes: activation checkpointing off, generation by model.generate
@@ -23,15 +24,35 @@ the steadier measure: other load stretches wall time, not a one-thread process's
   other         what the three leave of the step (gradient clipping, the scheduler, callbacks, splitting the batch):
                 small when the seams cover the step (tests/test_bench_rl.py checks it)
 by wrapping those methods on the trainer's class in the arm's own process (an override in a subclass is timed
-through its call of the base's). Prints, per arm, the means of the steps after the first (the first pays one-off
-costs) for the seed of fewest CPU seconds a step: step and parts (wall / CPU), completions per step second,
-generated tokens per generation second, trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each
-seed's reward curve (mean reward of each step's completions) and the arm's mean reward against `trl`'s with its
-standard error over seeds; then the ratios against `trl` (parts on the CPU clock). --out writes every number (each
-step of each seed).
+through its call of the base's).
+PPO (TRL's own loop, trl.experimental.ppo: one optimizer step per minibatch, num_ppo_epochs x num_mini_batches of
+them per update) is timed per update, from the previous update's on_step_end (the first: on_train_begin) to its own,
+through the loop's module functions and its log call:
+  generation    `batch_generation` (sampling the completions; the policy's log-probabilities come from its logits)
+  scoring       the rest of the rollout up to the first forward with gradients, less its gc.collect: the
+                reference pass (`forward` without gradients), the value and reward models (`get_reward`), the
+                policy's log-probabilities from generation's logits, KL, rewards and advantages (GAE)
+  trained pass  from the first forward with gradients to the update's log call: the PPO epochs' forwards through
+                policy and value model, backward, optimizer steps and their statistics
+  other         the rest: TRL's two gc.collect calls an update (timed too: `gc_s`), the next batch of prompts,
+                metrics, the scheduler, callbacks
+Its reward curve is the reward model's mean score of each update's completions (`objective/scores`, after the
+missing-eos penalty). PPO needs a reward model: the config's reward run (`reward_model`), trained by the workflow's
+train_run and merged into its base by the workflow's merge (snaketrl.models.merge), once per work dir (--work,
+keyed by the reward run's settings). Every arm starts PPO from the base model, also where the run's `policy` names
+an SFT run (the bench trains no SFT; it says so). The trl arm is TRL's example script with LoRA: the reference is the
+adapter-free policy (ref_model=None), reward and value model loaded from the merged reward model, a "[PAD]" pad
+token (TRL's PPO needs one other than eos). PPOConfig's activation_checkpointing defaults to on but its loop never
+applies it: the table reports what the policy ran with.
+Prints, per arm, the means of the steps after the first (the first pays one-off costs) for the seed of fewest CPU
+seconds a step: step and parts (wall / CPU), completions per step second, generated tokens per generation second,
+trained real (non-pad) tokens per trained-pass second (wall), peak RSS, each seed's reward curve (mean reward of each
+step's completions) and the arm's mean reward against `trl`'s with its standard error over seeds; then the ratios
+against `trl` (parts on the CPU clock). --out writes every number (each step of each seed).
 
     python bench/rl.py --steps 3 --seeds 1 2 --threads 1 --out rl.json    # the CPU table (docs/real-model.md)
     python bench/rl.py --runs grpo-smollm2 --arms trl-tuned trl-tuned-cb --steps 3 --threads 1   # which is faster
+    python bench/rl.py --runs ppo-smollm2 --arms trl snaketrl --steps 4 --threads 1 --out ppo.json   # PPO alone
     python bench/rl.py --table rl.json                                        # the table again, from --out's file
 """
 
@@ -56,6 +77,8 @@ DEFAULT_ARMS = ("trl", "trl-tuned", "snaketrl")
 TUNED = {"trl-tuned": {"activation_checkpointing": False},
          "trl-tuned-cb": {"activation_checkpointing": False, "use_transformers_continuous_batching": True}}
 ONLINE = ("grpo", "rloo")  # trainers whose steps go through TRL's _generate_and_score_completions
+BENCHED = (*ONLINE, "ppo")  # and PPO, timed through its own loop (PPOStepSplit)
+NOT_FOR_PPO = ("trl-tuned-cb", "snaketrl-compiled")  # TRL's PPO has no continuous batching nor _generate_single_turn
 PARTS = ("generation", "scoring", "trained", "other")
 
 
@@ -155,17 +178,190 @@ def parts(raw: dict, clock: str = "") -> dict:
             "other": t("step") - generation - scoring - trained}
 
 
-def summarize_step(raw: dict) -> dict:
+def summarize_step(raw: dict, parts_of=parts) -> dict:
     """One step's record: its parts in wall and CPU seconds, what it generated and trained, its mean reward."""
     rewards = raw["rewards"]
     return {"step_s": raw["step"], "cpu_s": raw["step@cpu"],
-            **{f"{part}_s": seconds for part, seconds in parts(raw).items()},
-            **{f"{part}_cpu_s": seconds for part, seconds in parts(raw, "@cpu").items()},
-            "rewards_s": raw.get("_calculate_rewards", 0.0), "logps_s": raw.get("logps_no_grad", 0.0),
-            "optimizer_s": raw.get("optimizer", 0.0),
+            **{f"{part}_s": seconds for part, seconds in parts_of(raw).items()},
+            **{f"{part}_cpu_s": seconds for part, seconds in parts_of(raw, "@cpu").items()},
+            # reward functions (GRPO, RLOO) or PPO's reward and value models; reference (and old) log-probabilities
+            "rewards_s": raw.get("_calculate_rewards", 0.0) + raw.get("get_reward", 0.0),
+            "logps_s": raw.get("logps_no_grad", 0.0), "optimizer_s": raw.get("optimizer", 0.0),
+            **({"rlhf_reward": raw["rlhf_reward"]} if "rlhf_reward" in raw else {}),
+            **({"gc_s": raw.get("gc_rollout", 0.0) + raw.get("gc_other", 0.0),  # TRL's gc.collect (in `other`)
+                "gc_cpu_s": raw.get("gc_rollout@cpu", 0.0) + raw.get("gc_other@cpu", 0.0)}
+               if "rlhf_reward" in raw else {}),
             "completions": raw["completions"], "generated_tokens": raw["generated_tokens"],
             "trained_tokens": raw["trained_tokens"], "at_cap": raw["at_cap"],
             "reward": statistics.fmean(rewards) if rewards else None}
+
+
+class PPOStepSplit:
+    """StepSplit for TRL's PPO loop: each update's wall and CPU seconds, its parts, and what it generated, trained
+    and scored. TRL's loop calls no on_step_begin and runs its parts through module functions: `wrap(module)` times
+    `batch_generation`, `forward` and `get_reward` in trl.experimental.ppo.ppo_trainer (the loop looks them up
+    there at each call) and the PPOTrainer's `log`; `callback()` opens the first update at on_train_begin and
+    each next one at the previous one's on_step_end, where it closes it. The update after the last never closes."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.current: dict | None = None
+        self.checkpointing: bool | None = None  # what the policy trained with (PPOConfig's flag is not applied)
+        self.sampling = False
+
+    def wrap(self, module) -> None:
+        import types
+
+        for name in ("batch_generation", "forward", "get_reward"):
+            setattr(module, name, self.timed(getattr(module, name), name))
+        module.PPOTrainer.log = self.logged(module.PPOTrainer.log)
+        module.PPOTrainer.generate_completions = self.unmeasured(module.PPOTrainer.generate_completions)
+        # TRL's loop calls gc.collect() twice an update (in the rollout and after it), each a scan of every live
+        # object: the module's own `gc` is swapped for a copy whose collect is timed
+        timed_gc = types.ModuleType("gc")
+        timed_gc.__dict__.update(vars(module.gc))
+        timed_gc.collect = self.timed(module.gc.collect, "gc")
+        module.gc = timed_gc
+
+    def timed(self, function, name: str):
+        import functools
+
+        import torch
+
+        split = self
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            step = split.current
+            if step is None or split.sampling:  # outside an update, or sampling eval completions (in `other`)
+                return function(*args, **kwargs)
+            started = clocks()
+            key = name
+            if name == "batch_generation":
+                step.setdefault("rollout_started", started)
+            elif name == "forward":
+                key = "trained_forward" if torch.is_grad_enabled() else "logps_no_grad"
+                if key == "trained_forward":
+                    step.setdefault("trained_started", started)
+            elif name == "gc":  # the rollout's collect is no part of scoring: it goes to `other` (ppo_parts)
+                key = "gc_rollout" if "rollout_started" in step and "trained_started" not in step else "gc_other"
+            out = function(*args, **kwargs)
+            add(step, key, started)
+            if name == "batch_generation":  # (model, queries, rollout batch, pad id, generation config)
+                model, queries = args[0], args[1]
+                responses = out[0][:, queries.shape[1]:]
+                lengths, ended = completion_lengths(responses, model.generation_config.eos_token_id)
+                step["completions"] += int(lengths.numel())
+                step["generated_tokens"] += int(lengths.sum())
+                step["at_cap"] += int((~ended).sum())
+            elif key == "trained_forward":  # (model, query_responses, pad id): the rows' real tokens
+                step["trained_tokens"] += int((args[1] != args[2]).sum())
+            return out
+
+        return timed
+
+    def unmeasured(self, method):
+        """`method` (TRL's sampling of eval completions, every num_total_batches // num_sample_generations updates)
+        counts in no part but `other`, its generation and passes too."""
+        import functools
+
+        split = self
+
+        @functools.wraps(method)
+        def unmeasured(*args, **kwargs):
+            split.sampling = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                split.sampling = False
+
+        return unmeasured
+
+    def logged(self, log):
+        import functools
+
+        split = self
+
+        @functools.wraps(log)
+        def logged(trainer, logs, *args, **kwargs):
+            step = split.current
+            if step is not None and "objective/scores" in logs:  # the update's metrics, after its PPO epochs
+                step.setdefault("logged", clocks())
+                step["rewards"].append(logs["objective/scores"])
+                step["rlhf_reward"] = logs["objective/rlhf_reward"]
+            return log(trainer, logs, *args, **kwargs)
+
+        return logged
+
+    def open(self) -> None:
+        self.current = {"completions": 0, "generated_tokens": 0, "trained_tokens": 0, "at_cap": 0, "rewards": [],
+                        "started": clocks()}
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        split = self
+
+        class Clock(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+                split.checkpointing = bool(model.policy.is_activation_checkpointing)
+                optimizer.step = split.timed_optimizer(optimizer.step)
+                split.open()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                step = split.current
+                add(step, "step", step.pop("started"))
+                split.steps.append(summarize_step(step, ppo_parts))
+                split.open()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                split.current = None
+
+        return Clock()
+
+    def timed_optimizer(self, step_fn):
+        import functools
+
+        split = self
+
+        @functools.wraps(step_fn)
+        def timed(*args, **kwargs):
+            if split.current is None:
+                return step_fn(*args, **kwargs)
+            started = clocks()
+            out = step_fn(*args, **kwargs)
+            add(split.current, "optimizer", started)
+            return out
+
+        return timed
+
+
+def completion_lengths(responses, eos):
+    """Each completion's tokens up to and with its first `eos` (its whole width where none), and whether it ended."""
+    import torch
+
+    width = responses.shape[1]
+    if eos is None:
+        return torch.full((responses.shape[0],), width), torch.zeros(responses.shape[0], dtype=torch.bool)
+    is_eos = torch.isin(responses, torch.tensor(eos, device=responses.device).reshape(-1))
+    ended = is_eos.any(dim=1)
+    first = torch.where(ended, is_eos.int().argmax(dim=1) + 1, torch.full_like(ended, width, dtype=torch.long))
+    return first, ended
+
+
+def ppo_parts(raw: dict, clock: str = "") -> dict:
+    """A PPO update's parts on one clock: generation, the rest of the rollout (scoring), the PPO epochs (trained
+    pass, up to the update's log call), and what they leave."""
+    index = 1 if clock else 0
+
+    def t(key):
+        return raw.get(key + clock, 0.0)
+
+    generation, collect = t("batch_generation"), t("gc_rollout")
+    rollout = raw["trained_started"][index] - raw["rollout_started"][index]
+    trained = raw["logged"][index] - raw["trained_started"][index]
+    return {"generation": generation, "scoring": rollout - generation - collect, "trained": trained,
+            "other": t("step") - rollout - trained + collect}
 
 
 def plain_trl(job: dict, callbacks: list) -> dict:
@@ -197,20 +393,55 @@ def plain_trl(job: dict, callbacks: list) -> dict:
             "continuous_batching": config.use_transformers_continuous_batching}
 
 
+def plain_trl_ppo(job: dict, callbacks: list) -> dict:
+    """The user's PPO: TRL's example script (trl/examples/scripts/ppo) with LoRA, its defaults, the shared settings
+    and the arm's tuning. The prompts are the workflow's token ids (the same in every arm)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from snaketrl.io import read_jsonl
+
+    run = job["run"]
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()  # TRL's default, which it refuses on a CPU
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = PPOConfig(output_dir=job["work"] + "/out", seed=job["seed"],
+                       **{"bf16": bf16, **run["args"], **job["schedule"], **TUNED.get(job["arm"], {})})
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"], padding_side="left")
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})  # as TRL's example: its masks need a pad other than eos
+    policy = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype)
+    reward_model, value_model = (AutoModelForSequenceClassification.from_pretrained(job["reward_dir"], num_labels=1,
+                                                                                    dtype=dtype) for _ in range(2))
+    evals = read_jsonl(job["eval"])[:run.get("eval_rows") or None]
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
+                         reward_model=reward_model, value_model=value_model,
+                         train_dataset=Dataset.from_list(read_jsonl(job["train"])),
+                         eval_dataset=Dataset.from_list(evals),
+                         peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=callbacks)
+    trainer.train()
+    return {"activation_checkpointing": config.activation_checkpointing, "bf16": config.bf16,
+            "continuous_batching": False}
+
+
 def snaketrl_job(job: dict, callbacks: list) -> dict:
     from snaketrl.data.lengths import histogram
     from snaketrl.train.run import train_run
 
     work = Path(job["work"])
-    histogram(job["model_dir"], job["train"], job["settings"], work / "lengths.json", work / "lengths.png",
-              job["run"]["name"])
+    lengths = job.get("lengths")  # PPO's: the length stage ran before its prompts were tokenized
+    if not lengths:
+        lengths = work / "lengths.json"
+        histogram(job["model_dir"], job["train"], job["settings"], lengths, work / "lengths.png", job["run"]["name"])
     run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **job["schedule"]}}
     metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
-                        lengths_file=work / "lengths.json", out_dir=work / "out", checkpoint_dir=work / "ckpt",
-                        threads=job.get("threads"), callbacks=callbacks)
+                        lengths_file=lengths, out_dir=work / "out", checkpoint_dir=work / "ckpt",
+                        reward_dir=job.get("reward_dir"), threads=job.get("threads"), callbacks=callbacks)
     manifest = json.loads((work / "out" / "manifest.json").read_text())["trl_args"]
     return {"activation_checkpointing": metrics["activation_checkpointing"], "bf16": manifest["bf16"],
-            "continuous_batching": manifest["use_transformers_continuous_batching"]}
+            "continuous_batching": manifest.get("use_transformers_continuous_batching", False)}
 
 
 def compiled_on_first_generation(cls) -> None:
@@ -249,12 +480,22 @@ def worker(job_file: str) -> None:
         from snaketrl.processes import keep_freed_memory
 
         keep_freed_memory()  # as every training-side job does (snaketrl.imports.start_job)
-    split = StepSplit()
-    cls = load(REGISTRY[job["run"]["trainer"]].trainer)
-    split.wrap(cls)
-    if job["arm"] == "snaketrl-compiled":
-        compiled_on_first_generation(cls)
-    settings = (snaketrl_job if job["arm"].startswith("snaketrl") else plain_trl)(job, [split.callback()])
+    if job["run"]["trainer"] == "ppo":
+        from trl.experimental.ppo import ppo_trainer
+
+        split = PPOStepSplit()
+        split.wrap(ppo_trainer)
+        plain = plain_trl_ppo
+    else:
+        split = StepSplit()
+        cls = load(REGISTRY[job["run"]["trainer"]].trainer)
+        split.wrap(cls)
+        if job["arm"] == "snaketrl-compiled":
+            compiled_on_first_generation(cls)
+        plain = plain_trl
+    settings = (snaketrl_job if job["arm"].startswith("snaketrl") else plain)(job, [split.callback()])
+    if isinstance(split, PPOStepSplit):  # what the policy trained with: TRL's PPO loop never applies the flag
+        settings["activation_checkpointing"] = split.checkpointing
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else f"{cpu_model()}, {torch.get_num_threads()} threads"
     print("RESULT " + json.dumps({
@@ -262,6 +503,66 @@ def worker(job_file: str) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
         "steps": split.steps}), flush=True)
+
+
+def reward_model(config: dict, runs: dict, run: dict, work: Path, threads: int | None = None) -> Path:
+    """PPO run `run`'s reward model as the workflow makes it, once per work dir and reward run settings: the length
+    stage, the reward run trained (train_run, the train job's) and its adapter merged into its base (the merge
+    job's snaketrl.models.merge), written whole or not at all."""
+    from snaketrl.data.lengths import histogram
+    from snaketrl.models.merge import merge
+    from snaketrl.train.run import fingerprint, train_run
+    from snaketrl.trainers import REGISTRY
+
+    reward = runs[run["reward_model"]]
+    out = work / "reward" / f"{reward['name']}-{fingerprint(reward)}"
+    if (out / "merged").is_dir():
+        return out / "merged"
+    if reward.get("policy"):
+        print(f"{reward['name']}: trained from the base model, not from {reward['policy']} (the bench trains no "
+              f"SFT run)", file=sys.stderr)
+    base = base_model(config, reward["model"], work)
+    train, evals = prepared(config, reward, work)
+    histogram(base, train, length_settings(config, reward, None), out / "lengths.json", out / "lengths.png",
+              reward["name"], model=reward["model"], dataset=reward["dataset"])
+    train_run(reward, model_dir=base, train_file=train, eval_file=evals, lengths_file=out / "lengths.json",
+              out_dir=out / "out", checkpoint_dir=out / "ckpt", threads=threads)
+    merge(out / "out" / "adapter", base, out / "merged", REGISTRY[reward["trainer"]].task_type, threads=threads)
+    return out / "merged"
+
+
+def ppo_prompts(config: dict, run: dict, model_dir: Path, work: Path) -> tuple[Path, Path, Path]:
+    """PPO's train and eval prompts as its job reads them, and the length stage's file: the prepared rows'
+    length stage, then their token ids (the workflow's tokenize_prompts job)."""
+    from snaketrl.data.lengths import histogram, tokenize_prompt_files
+
+    train, evals = prepared(config, run, work, unique=False)
+    batch = ppo_batch(run)
+    if len(train.read_text().splitlines()) < batch:  # TRL's loop would wait forever on an empty DataLoader
+        sys.exit(f"{train}: fewer prompts than PPO's batch of {batch} (its DataLoader drops a short last batch)")
+    out = train.parent / run["model"]
+    if not (out / "eval.jsonl").is_file():  # written last
+        histogram(model_dir, train, length_settings(config, run, None), out / "lengths.json", out / "lengths.png",
+                  run["name"], model=run["model"], dataset=run["dataset"])
+        tokenize_prompt_files(model_dir, out / "lengths.json",
+                              {"train": (train, out / "train.jsonl"), "eval": (evals, out / "eval.jsonl")})
+    return out / "train.jsonl", out / "eval.jsonl", out / "lengths.json"
+
+
+def ppo_schedule(run: dict, steps: int) -> dict:
+    """`steps` PPO updates: TRL's loop runs total_episodes / (per_device_train_batch_size x gradient_accumulation)
+    of them on one process, whatever max_steps says."""
+    return {"total_episodes": steps * ppo_batch(run), "save_strategy": "no", "eval_strategy": "no",
+            "logging_steps": 1}
+
+
+def ppo_batch(run: dict) -> int:
+    """Completions of a PPO update on one process: per_device_train_batch_size x gradient_accumulation_steps."""
+    from trl.experimental.ppo import PPOConfig
+
+    defaults = PPOConfig.__dataclass_fields__
+    return (run["args"].get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default)
+            * run["args"].get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
 
 
 def measure(job: dict) -> dict:
@@ -347,7 +648,7 @@ HEADER = ["| run | arm | step (s) | CPU (s) | generation (s) | scoring (s) | tra
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configfile", type=Path, default=ROOT / "bench" / "rl.yaml")
-    ap.add_argument("--runs", nargs="*", help="run names (default: every GRPO and RLOO run)")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every GRPO, RLOO and PPO run)")
     ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps of every arm")
@@ -372,24 +673,35 @@ def main(argv=None) -> None:
     configfile = opts.configfile.resolve()
     os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
     config, runs = load_config(configfile)
-    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ONLINE]
-    unknown = [n for n in names if n not in runs or runs[n]["trainer"] not in ONLINE]
+    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in BENCHED]
+    unknown = [n for n in names if n not in runs or runs[n]["trainer"] not in BENCHED]
     if unknown:
-        sys.exit(f"{configfile}: --runs {' '.join(unknown)}: expected GRPO or RLOO runs of the config "
-                 f"({', '.join(n for n, r in runs.items() if r['trainer'] in ONLINE)})")
-    schedule = {"max_steps": opts.steps, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1}
+        sys.exit(f"{configfile}: --runs {' '.join(unknown)}: expected GRPO, RLOO or PPO runs of the config "
+                 f"({', '.join(n for n, r in runs.items() if r['trainer'] in BENCHED)})")
     out, report, device = list(HEADER), {"command": sys.argv, "runs": {}}, None
     for name in names:
         run = runs[name]
+        schedule = {"max_steps": opts.steps, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1}
+        inputs, arms = {}, opts.arms
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
             model_dir = base_model(config, run["model"], opts.work)
-            train, evals = prepared(config, run, opts.work)
+            if run["trainer"] == "ppo":
+                schedule = ppo_schedule(run, opts.steps)
+                arms = [arm for arm in opts.arms if arm not in NOT_FOR_PPO]
+                if run.get("policy"):
+                    print(f"{name}: every arm starts from the base model, not from {run['policy']} (the bench "
+                          f"trains no SFT run)", file=sys.stderr)
+                train, evals, lengths = ppo_prompts(config, run, model_dir, opts.work)
+                inputs = {"lengths": str(lengths),
+                          "reward_dir": str(reward_model(config, runs, run, opts.work, opts.threads))}
+            else:
+                train, evals = prepared(config, run, opts.work)
         results = {}
-        for arm in opts.arms:
+        for arm in arms:
             for seed in opts.seeds:
                 job = {"run": run, "arm": arm, "seed": seed, "settings": length_settings(config, run, "auto"),
                        "model_dir": str(model_dir), "schedule": schedule, "threads": opts.threads,
-                       "train": str(train), "eval": str(evals),
+                       "train": str(train), "eval": str(evals), **inputs,
                        "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
                 result = measure(job)
                 device = result.get("device", device)

@@ -89,3 +89,58 @@ def test_the_table_prints_again_from_the_out_file(tmp_path, capsys):
     assert lines[5] == "| grpo | **snaketrl / trl** | 2.00× | **1.00×** | 2.00× | 1.00× | 2.00× | | 2.00× | 2.00× " \
                        "| 2.00× | 1.00× | | |"
     assert lines[4].endswith("| 0.25 0.25 | -0.125 |")
+
+
+def test_ppo_arms_split_their_updates(tmp_path, config, tiny_model_dir):
+    """PPO on the tiny model (config.yaml's ppo-qwen2-tiny and its reward run, made short): the bench trains and
+    merges the reward model, tokenizes the prompts, and each arm's updates split into parts that cover them."""
+    from efficiency import shipped
+
+    from snaketrl.config import resolve_runs
+
+    config["trainers"]["reward"]["args"] = {"max_steps": 2, "per_device_train_batch_size": 4, "eval_strategy": "no"}
+    config["trainers"]["ppo"]["args"].update(per_device_train_batch_size=4, local_rollout_forward_batch_size=4,
+                                             response_length=8, num_ppo_epochs=2, num_mini_batches=2)
+    config["matrix"]["models"] = ["qwen2-tiny"]
+    runs = resolve_runs(config, shipped)
+    run = runs["ppo-qwen2-tiny"]
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "qwen2-tiny").symlink_to(tiny_model_dir)  # the bench's base, built already
+    reward_dir = rl.reward_model(config, runs, run, tmp_path, threads=1)
+    assert (reward_dir / "model.safetensors").is_file()
+    assert rl.reward_model(config, runs, run, tmp_path) == reward_dir  # once per work dir
+    train, evals, lengths = rl.ppo_prompts(config, run, tiny_model_dir, tmp_path)
+    assert "input_ids" in json.loads(train.read_text().splitlines()[0])
+    schedule = rl.ppo_schedule(run, 3)
+    assert schedule["total_episodes"] == 12  # 3 updates of 4 completions
+    results = {}
+    for arm in ("trl", "snaketrl"):
+        job = {"run": run, "arm": arm, "seed": 1, "settings": {}, "model_dir": str(tiny_model_dir), "threads": 1,
+               "train": str(train), "eval": str(evals), "lengths": str(lengths), "reward_dir": str(reward_dir),
+               "work": str(tmp_path / arm), "schedule": schedule}
+        result = rl.measure(job)
+        assert "failed" not in result, result
+        results[arm] = [result]
+        # PPOConfig's activation_checkpointing is on by default, but TRL's PPO loop never applies it
+        assert result["activation_checkpointing"] is False and result["bf16"] is False
+        assert len(result["steps"]) == 3
+        for number, step in enumerate(result["steps"]):
+            assert step["completions"] == 4
+            assert 4 <= step["generated_tokens"] <= 4 * 8 and 0 <= step["at_cap"] <= 4
+            # 2 PPO epochs over the 4 rows' prompts and completions
+            assert step["trained_tokens"] > 2 * step["generated_tokens"]
+            assert step["optimizer_s"] > 0 and step["rewards_s"] > 0 and step["logps_s"] > 0
+            assert step["reward"] is not None and "rlhf_reward" in step
+            for clock in ("", "_cpu"):
+                parts = [step[f"{part}{clock}_s"] for part in rl.PARTS]
+                assert sum(parts) == pytest.approx(step["step_s" if not clock else "cpu_s"])
+                # other: TRL's gc.collect (timed), and a small rest (prompts, metrics, scheduler, callbacks) after
+                # the first update, which pays one-off costs (the table leaves it out)
+                assert 0 <= step[f"gc{clock}_s"] <= parts[-1]
+                assert number == 0 or parts[-1] - step[f"gc{clock}_s"] < 0.25 * sum(parts), (arm, clock, step)
+                assert all(p > 0 for p in parts[:3])
+            assert step["rewards_s"] + step["logps_s"] < step["scoring_s"]
+            assert step["optimizer_s"] < step["trained_s"]
+    rows, best = rl.table("ppo", results)
+    assert len(rows) == 3 and "**snaketrl / trl**" in rows[2]
+    assert best["trl"]["rewards"] == [s["reward"] for s in results["trl"][0]["steps"]]
