@@ -145,3 +145,18 @@ def test_checkpoint_cut_short_is_set_aside(ppo_inputs, tmp_path, caplog):
             "checkpoint-3 set aside" in caplog.text)
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["resumed_from"] is None
     assert [e["episode"] for e in _outputs(tmp_path / "out")["log"] if "episode" in e] == [4, 8, 12, 16, 20, 24]
+
+
+def test_fewer_prompts_than_one_batch_stop_in_one_line_before_training(ppo_inputs, tmp_path):
+    """TRL's PPO loader drops a short batch and its loop repeats the loader forever: 3 prompts in batches of 4
+    would hang. The job stops before the model trains, naming the file, the counts and the settings."""
+    from snaketrl.errors import ConfigError
+    from snaketrl.train.run import train_run
+
+    write_jsonl(read_jsonl(ppo_inputs["train_file"])[:3], ppo_inputs["train_file"])
+    with pytest.raises(ConfigError) as err:
+        train_run(**ppo_inputs, out_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt")
+    assert str(err.value) == (f"{ppo_inputs['train_file']}: 3 prompts for run '{ppo_inputs['run']['name']}', fewer "
+                              f"than one PPO batch of 4 (per_device_train_batch_size 4 x gradient_accumulation_steps "
+                              f"1): lower the batch or give datasets.{ppo_inputs['run']['dataset']} more rows")
+    assert not (tmp_path / "out").exists()

@@ -148,10 +148,24 @@ def datasets(plan: TrainPlan, tokenizer, train_file, eval_file):
 
     run, spec = plan.run, plan.spec
     train_ds, eval_ds = (Dataset.from_list(rows) for rows in run_rows(run, spec, tokenizer, train_file, eval_file))
+    check_ppo_batch(plan, len(train_ds), train_file)
     if plan.batching.get("length_column_name"):
         train_ds, eval_ds = (with_lengths(ds, tokenizer, spec.layout, plan.args.length_column_name)
                              for ds in (train_ds, eval_ds))
     return train_ds, eval_ds
+
+
+def check_ppo_batch(plan: TrainPlan, rows: int, train_file) -> None:
+    """PPO's loop draws whole batches (TRL's loader drops a short one) from an endless repeat of its loader: with
+    fewer prompts than one batch it would wait forever, so it stops here in one line."""
+    args = plan.args
+    need = args.per_device_train_batch_size * args.gradient_accumulation_steps * plan.world
+    if plan.run["trainer"] == "ppo" and rows < need:
+        processes = f" x {plan.world} processes" if plan.world > 1 else ""
+        raise ConfigError(f"{train_file}: {rows} prompts for run '{plan.run['name']}', fewer than one PPO batch of "
+                          f"{need} (per_device_train_batch_size {args.per_device_train_batch_size} x "
+                          f"gradient_accumulation_steps {args.gradient_accumulation_steps}{processes}): lower the "
+                          f"batch or give datasets.{plan.run['dataset']} more rows")
 
 
 def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled: bool, reward_dir, lora: dict,
