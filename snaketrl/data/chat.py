@@ -11,7 +11,6 @@ import re
 
 from snaketrl.data.formats import is_conversational
 from snaketrl.errors import ConfigError
-from snaketrl.models.chat_template import EXPECTED
 
 # An Anthropic HH transcript, as snaketrl.data.formats.from_hh leaves its prompt: "\n\nHuman: ...\n\nAssistant:".
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -55,7 +54,9 @@ def require_template(tokenizer, rows: list[dict], chat: bool, *, model: str, dat
     chat template."""
     conversational = bool(rows) and is_conversational(rows[0].get("prompt", rows[0].get("chosen")))
     if (chat or conversational) and not tokenizer.chat_template:
-        give = f"give it one with models.{model}.chat_template ({EXPECTED})"
+        # the names themselves: the parse-time check of that key lists them (snaketrl.models.chat_template)
+        give = (f"give it one with models.{model}.chat_template (a template name such as chatml, a .jinja file, or "
+                f"another model's tokenizer)")
         if chat:  # datasets.<d>.chat: false is then unset (or chat would be off), whatever models.<m>.chat says
             raise ConfigError(f"{where}: model '{model}' has no chat template in its tokenizer, and its prompts from "
                               f"dataset '{dataset}' are to be chats (models.{model}.chat, datasets.{dataset}.chat); "
