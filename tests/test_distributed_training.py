@@ -133,6 +133,11 @@ def family(tmp_path_factory, tiny_model_dir, reward_dir):
     jobs["sft-tokens"] = tuple(_token_budget_job(tmp / "sft-tokens", tiny_model_dir, n) for n in ("one", "two"))
     for one, _ in jobs.values():
         train_run(**one)
+    # A flop budget that one process reaches between its steps 2 and 3: two processes must add their counts.
+    flops = json.loads((Path(jobs["sft"][0]["out_dir"]) / "metrics.json").read_text())["cost_by_step"]["flops"]
+    budget = _jobs(tmp / "sft-flops", tiny_model_dir, None, "sft", "two")
+    budget["run"]["max_flops"] = (flops[1] + flops[2]) / 2
+    jobs["sft-flops"] = (None, budget)
     err = launch([_write(two, tmp / f"{t}.json") for t, (_, two) in jobs.items()])
     return jobs, err
 
@@ -180,6 +185,17 @@ def test_a_token_budget_stops_both_processes_where_one_process_stops(family):
     assert metrics[0]["steps"] == metrics[1]["steps"] < 18
     assert 700 <= metrics[0]["real_tokens"] == metrics[1]["real_tokens"] < 700 + 4 * 96
     assert _series(two, "loss") == pytest.approx(_series(one, "loss"), rel=RTOL)
+
+
+def test_a_flop_budget_stops_two_processes_where_their_summed_flops_reach_it(family):
+    """Each process counts its own passes; the budget is the group's, so both stop at the step whose summed
+    FLOPs (the report's cost_by_step) reach it, and not a step later as one process's half would."""
+    jobs, _ = family
+    job = jobs["sft-flops"][1]
+    metrics = json.loads((Path(job["out_dir"]) / "metrics.json").read_text())
+    flops, reached = metrics["cost_by_step"]["flops"], metrics["max_flops_reached_at"]
+    assert metrics["processes"] == 2 and reached == metrics["steps"] == len(flops) < 4
+    assert flops[reached - 1] >= job["run"]["max_flops"] > flops[reached - 2]
 
 
 def test_deepspeed_zero3_trains_on_cpus_as_ddp_does(family, tmp_path):
