@@ -169,7 +169,7 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
                     places = max(d, math.ceil(-math.log10(shown))) if shown else d
                     lead = intervals.compare(board["scores"], top, second, col)
                     text += ", " + versus(lead, leaderboard.settled(lead, higher), second, k, places,
-                                          "a lead", "no lead")
+                                          "a lead", "no lead", seeds)
             if base is not None:
                 if intervals.tied(mean.loc[top, col], mean.loc[base, col]):
                     text += "; it equals its base"
@@ -179,11 +179,11 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
                     verdict = "better" if above else "worse"
                     text += f"; {verdict} than its base {base} ({show(base)})" if gap is None else (
                         "; " + versus(gap, gap.lead, f"its base {base} ({show(base)})", k, d, verdict,
-                                      "not distinguishable from it"))
+                                      "not distinguishable from it", seeds))
             per_model.append(text)
         out.append("Best per model on the yardstick: " + "; ".join(per_model) + "." if per_model else
                    "No run has a value on the yardstick.")
-    close = [f"{c}: {b['group']} ≈ {b['runner_up']} ({intervals.needed(b['difference'])})"
+    close = [f"{c}: {b['group']} ≈ {b['runner_up']} ({unsettled(b['difference'], seeds)})"
              for c, b in best.items() if b["settled"] is False]
     if close:
         out.append("Leads not settled (≈ in the leaderboard): " + "; ".join(close) + ".")
@@ -207,10 +207,18 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
 
 
 def versus(diff: intervals.Difference | None, settled: bool | None, other: str, kind: str, places: int,
-           yes: str, no: str) -> str:
+           yes: str, no: str, seeds: int) -> str:
     """One comparison in words: the paired difference to `other` with its interval, then `yes` where it is
     settled, else `no` and what would settle it."""
     if diff is None:
         return f"ahead of {other} (no per-prompt values: no interval, not called {yes})"
     text = f"{intervals.describe(diff, kind, places)} against {other}"
-    return text + (f": {yes}" if settled else f": {no}; {intervals.needed(diff)}")
+    return text + (f": {yes}" if settled else f": {no}; {unsettled(diff, seeds)}")
+
+
+def unsettled(diff: intervals.Difference, seeds: int) -> str:
+    """Why a difference is not called a lead: with one seed per run the section says it once, in its last
+    sentence; otherwise what would settle it."""
+    if seeds == 1 and diff.lead and not diff.seeded:
+        return "one seed each (below)"
+    return intervals.needed(diff)
