@@ -355,6 +355,13 @@ def main(argv=None) -> None:
             job = json.loads(Path(path).read_text())
             init_group(job["run"])
             train_run(**job)
+        # Every rank done before any tears its group down: a gloo rank whose peer exited first can abort
+        # (SIGABRT) in its own teardown, after the outputs were written, and fail the job.
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     except Exception as err:
         if not isinstance(err, SnaketrlError):
             traceback.print_exc()
