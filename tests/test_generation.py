@@ -1,5 +1,6 @@
-"""Generation with the LoRA adapter merged (snaketrl.train.generation): the tokens of TRL's unmerged generation, the
-exact base weights back for the trained pass, the same GRPO losses, and the plan's rule."""
+"""Generation with the LoRA adapter merged or its decode compiled (snaketrl.train.generation): the tokens of TRL's
+eager unmerged generation, the exact base weights back for the trained pass, the same GRPO losses, and the plan's
+rules."""
 
 import dataclasses
 
@@ -206,6 +207,84 @@ def test_the_plan_keeps_trls_generation_on_a_gpu_and_for_sharded_weights():
     assert merges_for_generation(run, "cuda", args, sharded=False)[0] is False  # not measured on a GPU
 
 
+def cuda(gib=80):
+    """A GPU without bf16 units: TRL's config refuses bf16 on a machine without a GPU, this one."""
+    from snaketrl.train.plan import Device
+
+    return Device("cuda", False, gib * GIB)
+
+
+# The length stage's file of a run whose longest prompt has 150 tokens.
+LENGTHS = {"max_length": 128, "percentiles": {"p100": 150}, "n_examples": 20}
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_the_plan_compiles_the_decode_on_a_gpu_for_a_real_model(tmp_path, config, tiny_model_dir, trainer):
+    """On CUDA, 8 steps of a real model's GRPO or RLOO: a static cache of the longest prompt plus the completion cap
+    (150 + 8, in 64s: 192), in the report and the notes; on a CPU, or for a tiny model, the eager decode."""
+    args = {**PER_TRAINER[trainer], "max_steps": 8}
+    job, tiny = plan_of(tmp_path / "tiny", config, tiny_model_dir, trainer, cuda(), lengths=LENGTHS, args=args)
+    real = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+    _, plan = plan_of(tmp_path / "real", config, tiny_model_dir, trainer, cuda(), lengths=LENGTHS, args=args,
+                      run={"model_entry": real})
+    assert plan.compiled_decode == 192 and plan.report()["compiled_decode"] == {"max_cache_len": 192}
+    assert [n for n in plan.notes if n.startswith("decode compiled on a static cache of 192 positions: 8 generation "
+                                                  "rounds pay its compile back (~8 steps do): on an H200")]
+    _, on_cpu = plan_of(tmp_path / "cpu", config, tiny_model_dir, trainer, cpu(), lengths=LENGTHS, args=args,
+                        run={"model_entry": real})
+    for eager in (tiny, on_cpu):
+        assert eager.compiled_decode == 0 and "compiled_decode" not in eager.report()
+        assert not any(note.startswith("decode ") for note in eager.notes)
+    _, few = plan_of(tmp_path / "few", config, tiny_model_dir, trainer, cuda(), lengths=LENGTHS,
+                     args={**args, "max_steps": 7}, run={"model_entry": real})
+    assert few.compiled_decode == 0
+    assert [n for n in few.notes if n.startswith("decode eager: 7 generation rounds are too few to pay a compile "
+                                                 "back (~8 steps do): on an H200")]
+
+
+@pytest.mark.parametrize("change", [{"device": "cpu"}, {"trainer": "ppo"}, {"trainer": "online_dpo"},
+                                    {"trainer": "sft"}, {"model_entry": {"quantization": "4bit"}},
+                                    {"model_entry": {"tiny": {}}}, {"sharded": True}, {"use_vllm": True},
+                                    {"use_transformers_continuous_batching": True}, {"generations": 7},
+                                    {"generations": None}])
+def test_the_plan_keeps_the_eager_decode_where_a_compile_is_unmeasured_or_does_not_pay(change):
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import compiles_decode
+
+    facts = {"trainer": "grpo", "model_entry": {"gguf": {}}, "device": "cuda", "sharded": False, "use_vllm": False,
+             "use_transformers_continuous_batching": False, "generations": 8}
+
+    def compiles(facts):
+        args = SimpleNamespace(use_vllm=facts["use_vllm"],
+                               use_transformers_continuous_batching=facts["use_transformers_continuous_batching"])
+        return compiles_decode({"trainer": facts["trainer"], "model_entry": facts["model_entry"]}, facts["device"],
+                               args, facts["sharded"], facts["generations"])
+
+    assert compiles(facts)[0] is True
+    on, why = compiles({**facts, **change})
+    assert on is False
+    assert why.startswith(("7 generation rounds are too few", "the run's generation rounds are not known")) \
+        if "generations" in change else why == ""
+
+
+def test_the_planned_generation_rounds_are_trls(tmp_path, tiny_model_dir):
+    """From max_steps (a generation every steps_per_generation x num_iterations micro-batches), and from the epochs
+    over the length stage's prompts: the rounds of a built GRPO trainer's dataloader."""
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import planned_generations
+
+    args = SimpleNamespace(max_steps=10, gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2)
+    assert planned_generations(args, {}) == 5
+    trainer, _, _ = grpo_trainer(tmp_path, tiny_model_dir)  # 4 prompts, 2 completions each, 4 completions a round
+    args = SimpleNamespace(**{**vars(trainer.args), "max_steps": -1, "num_train_epochs": 3})
+    # the dataloader repeats each round's batch steps_per_generation x num_iterations times
+    rounds = 3 * len(trainer.get_train_dataloader()) // (args.steps_per_generation * args.num_iterations)
+    assert planned_generations(args, {"n_examples": 4}) == rounds == 6
+    assert planned_generations(args, {}) is None
+
+
 def grpo_trainer(tmp_path, tiny_model_dir):
     """A built GRPO trainer on the tiny model, TRL's generation (sampling, 16 new tokens at most), with the
     workflow's token and FLOP hooks installed as a train job installs them."""
@@ -267,6 +346,88 @@ def test_compiled_decode_gives_trls_tokens_without_a_graph_break_and_counts_the_
     assert compiled_flops == eager_flops
     again, again_flops = generate()  # the compiled step again: no recompile, the same count
     assert again == eager and again_flops == eager_flops and counters["stats"]["unique_graphs"] == 1
+
+
+def compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch, args, real=False):
+    """train_run of a GRPO run (`real`: its model entry without `tiny`, as a real model's) with its plan's decode;
+    the trainers compile_decode built recorded (with dynamo's aot_eager backend off CUDA: inductor's C++ kernels
+    take minutes on a busy 2-core machine)."""
+    import snaketrl.train.run as run_module
+    from snaketrl.train.run import train_run
+
+    compiled = []
+    compile_decode = run_module.compile_decode
+
+    def recorded(trainer, max_cache_len, device):
+        compile_decode(trainer, max_cache_len, device)
+        if device != "cuda":
+            trainer.generation_config.compile_config.backend = "aot_eager"
+        compiled.append(trainer)
+
+    monkeypatch.setattr(run_module, "compile_decode", recorded)
+    inputs = prepare(tmp_path, config, tiny_model_dir, "grpo", args=args)
+    if real:
+        inputs["run"]["model_entry"] = {k: v for k, v in inputs["run"]["model_entry"].items() if k != "tiny"}
+    return train_run(**inputs), inputs["out_dir"], compiled
+
+
+def test_a_planned_compiled_decode_trains_as_trls_eager_one(tmp_path, config, tiny_model_dir, monkeypatch):
+    """Two GRPO steps through train_run, TRL's eager decode against the compiled one (forced on a CPU: the plan
+    compiles on CUDA only): the generation config the plan's static cache of 64 positions, compiled without graph
+    breaks; the same losses and rewards (the same completions), the manifest's plan says so."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    import snaketrl.train.run as run_module
+
+    args = {**PER_TRAINER["grpo"], "max_steps": 2}
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "compiled").mkdir()
+    eager, eager_out, none = compiled_train_run(tmp_path / "eager", config, tiny_model_dir, monkeypatch, args)
+    assert none == [] and "compiled_decode" not in eager
+    plan_run = run_module.plan_run
+    monkeypatch.setattr(run_module, "plan_run", lambda *a, **k: dataclasses.replace(plan_run(*a, **k),
+                                                                                  compiled_decode=64))
+    counters.clear()
+    metrics, out, compiled = compiled_train_run(tmp_path / "compiled", config, tiny_model_dir, monkeypatch, args)
+    [trainer] = compiled
+    config_ = trainer.generation_config
+    assert (config_.cache_implementation, config_.max_cache_len, config_.disable_compile) == ("static", 64, False)
+    assert config_.compile_config.fullgraph is True and config_.compile_config._compile_all_devices is True
+    assert trainer.generation_kwargs["cache_implementation"] == "static"
+    assert trainer.generation_kwargs["max_cache_len"] == 64
+    # the decode step of the training batch (8 completions) and of the evaluation's (4)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
+    assert metrics["compiled_decode"] == {"max_cache_len": 64}
+    plan = json.loads((out / "manifest.json").read_text())["plan"]
+    assert plan["compiled_decode"] == {"max_cache_len": 64}
+    states = [json.loads((o / "trainer_state.json").read_text()) for o in (eager_out, out)]
+    for key in LOGGED["grpo"]:
+        plain = learning.logged(states[0], key)
+        assert len(plain) == 2 and learning.logged(states[1], key) == pytest.approx(plain, rel=1e-5, abs=1e-6), key
+    assert metrics["flops"] == eager["flops"]  # compiled decode steps counted as eager ones
+
+
+@pytest.mark.cuda
+def test_a_grpo_job_on_a_gpu_compiles_its_decode_as_planned_and_trains(tmp_path, config, tiny_model_dir,
+                                                                      monkeypatch):
+    """On CUDA, 8 steps of a GRPO run whose model is not a tiny one (its entry without `tiny`): the plan compiles the
+    decode (inductor, CUDA graphs) and the job trains its 8 steps with it, without a graph break."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    metrics, out, compiled = compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch,
+                                                {**PER_TRAINER["grpo"], "max_steps": 8}, real=True)
+    [trainer] = compiled
+    assert metrics["compiled_decode"] == {"max_cache_len": trainer.generation_config.max_cache_len}
+    assert trainer.generation_config.compile_config.backend == "inductor"
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["stats"])
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and len(learning.logged(state, "loss")) == 8
+    assert metrics["flops"] > 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_merged_generation_composes_with_a_compiled_decode(tiny_model_dir):

@@ -22,6 +22,8 @@ import functools
 # The method each online trainer generates with when it decodes with the policy's own generate (no vLLM): the
 # reference, reward and value passes that follow it stay outside.
 GENERATES = {"grpo": "_generate_single_turn", "rloo": "_generate_single_turn", "online_dpo": "_generate"}
+# The trainers whose generation config compile_decode sets (TRL's GenerationConfig in `generation_config`).
+COMPILES = ("grpo", "rloo")
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 
 From the resolved run (its config), the length stage's file, the device and the process group, `plan_run`
 decides the batching, the processes' split of the batch, the TRL args (built once: steps from `max_tokens`,
-activation checkpointing from memory, bf16 from the hardware), the attention, row groups, unpadding and merged
-generation. The train job then loads, builds and trains as planned (snaketrl.train.run); the manifest and
+activation checkpointing from memory, bf16 from the hardware), the attention, row groups, unpadding, merged
+generation and compiled decode. The train job then loads, builds and trains as planned (snaketrl.train.run); the manifest and
 metrics.json report the plan. Only the loss choice waits for the loaded model (snaketrl.train.labelled.choose).
 
 No torch import here: the device's facts come in as a `Device` (`detect_device` reads them from torch).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,7 @@ from snaketrl.train.args import (check_args, check_hardware, check_liger_model, 
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
-from snaketrl.train.generation import GENERATES
+from snaketrl.train.generation import COMPILES, GENERATES
 from snaketrl.train.memory import choose_checkpointing
 from snaketrl.trainers import REGISTRY, Trainer, load
 
@@ -70,6 +71,8 @@ class TrainPlan:
     row_groups: bool  # each batch's rows run in length groups (snaketrl.train.batching)
     unpadded: bool  # varlen layers skip a padded batch's padding (snaketrl.train.attention.unpad)
     merged_generation: bool = False  # generation runs with the LoRA adapter merged (snaketrl.train.generation)
+    # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
+    compiled_decode: int = 0
     notes: tuple[str, ...] = ()
 
     @property
@@ -85,7 +88,8 @@ class TrainPlan:
         """What metrics.json says of the plan."""
         return {"device": self.device, "batching": self.choice.get("strategy", "padded"), "row_groups": self.row_groups,
                 "activation_checkpointing": self.checkpointing, "attn_implementation": self.attention or "sdpa",
-                "unpadded": self.unpadded, **({"merged_generation": True} if self.merged_generation else {})}
+                "unpadded": self.unpadded, **({"merged_generation": True} if self.merged_generation else {}),
+                **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
 
 
 def batching_choice(lengths: dict, device: str, lengths_file) -> dict:
@@ -180,10 +184,16 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     merged, why = merges_for_generation(run, device.name, args, sharded)
     if merged:
         notes.append(f"generation with the LoRA adapter merged: {why}")
+    compiles, why = compiles_decode(run, device.name, args, sharded,
+                                    planned_generations(args, lengths) if run["trainer"] in COMPILES else None)
+    cache = cache_positions(lengths, args) if compiles else 0
+    if why:
+        notes.append(f"decode compiled on a static cache of {cache} positions: {why}" if compiles else
+                     f"decode eager: {why}")
     return TrainPlan(run=run, spec=spec, device=device.name, world=world, batch=batch, max_length=lengths["max_length"],
                      choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
-                     notes=tuple(notes))
+                     compiled_decode=cache, notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
@@ -201,3 +211,51 @@ def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[
         return False, ""
     return True, ("a CPU's decode step skips the adapter's small matmuls (SmolLM2-135M, LoRA r16 on q/k/v/o, one "
                   "thread: 16 completions of 64 tokens in 4-6% less time, merging included)")
+
+
+# bench/rl.py --configfile bench/rl-gpu.yaml on an H200 (docs/benchmarks.md, "Online RL on a GPU"): GRPO's first
+# step, which compiles, took 55 s against 14 s eager, each later step (one generation) 1.52 s against 7.80 s
+# (7.33 s TRL's defaults): ~7 generations pay the compile back; 8 leave a margin.
+PAYBACK_GENERATIONS = 8
+
+
+def planned_generations(args, lengths: dict) -> int | None:
+    """An online run's generation rounds (TRL's defaults: one an optimizer step): from max_steps where set, else
+    its epochs over the length stage's prompts, num_generations completions each, generation_batch_size (all
+    processes') a round; None where neither tells."""
+    if args.max_steps > 0:
+        return math.ceil(args.max_steps * args.gradient_accumulation_steps
+                         / (args.steps_per_generation * args.num_iterations))
+    if not lengths.get("n_examples"):
+        return None
+    return math.ceil(args.num_train_epochs * lengths["n_examples"] * args.num_generations / args.generation_batch_size)
+
+
+def cache_positions(lengths: dict, args) -> int:
+    """The static cache's positions: the length stage's longest prompt (TRL cuts none) and the completion cap,
+    in 64s. One size for every batch: one compile per batch size. A longer prompt (an eval row) gets a larger
+    cache from transformers, which sizes it to the larger of this and the call's length, and a recompile."""
+    longest = lengths.get("percentiles", {}).get("p100") or lengths["max_length"]
+    return -(-(longest + args.max_completion_length) // 64) * 64
+
+
+def compiles_decode(run: dict, device: str, args, sharded: bool, generations: int | None) -> tuple[bool, str]:
+    """Whether a GRPO or RLOO run decodes on a static cache through transformers' compiled forward (CUDA graphs;
+    snaketrl.train.generation.compile_decode), and why. On CUDA only: a CPU measured it slower (docs/benchmarks.md).
+    Off under vLLM and TRL's continuous batching (their own decode), FSDP or ZeRO-3 (sharded weights, gathered per
+    forward), for a quantized base (unmeasured), for a tiny model (its numbers are measured on TRL's path), and
+    where the run's generation rounds (`generations`: planned_generations) are too few to pay the compile back
+    (PAYBACK_GENERATIONS: ~8 steps as measured) or unknown: then why, for the plan's notes."""
+    entry = run["model_entry"]
+    if run["trainer"] not in COMPILES or device != "cuda" or "tiny" in entry or entry.get("quantization") or sharded \
+            or getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        return False, ""
+    measured = ("on an H200, GRPO on a Qwen2.5-0.5B shape (LoRA r16, bf16, 64 completions of 128 tokens) took 1.52 s "
+                "a step compiled against 7.80 s eager (generation 5.5x faster), its first step 55 s against 14 s "
+                "(bench/rl.py, docs/benchmarks.md)")
+    if generations is None:
+        return False, f"the run's generation rounds are not known here to pay a compile back: {measured}"
+    if generations < PAYBACK_GENERATIONS:
+        return False, (f"{generations} generation rounds are too few to pay a compile back (~{PAYBACK_GENERATIONS} "
+                       f"steps do): {measured}")
+    return True, f"{generations} generation rounds pay its compile back (~{PAYBACK_GENERATIONS} steps do): {measured}"

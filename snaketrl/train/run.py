@@ -24,7 +24,7 @@ from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
-from snaketrl.train.generation import merge_for_generation
+from snaketrl.train.generation import compile_decode, merge_for_generation
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
@@ -172,7 +172,7 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
                   callbacks: list):
     """The run's TRL trainer with its LoRA adapter (`lora`: the run's, with the rows of tokens its chat template
     added), and its forward as planned: one-pass SFT loss or DPO's completion logits where `labelled`, row groups,
-    unpadded varlen layers, merged generation."""
+    unpadded varlen layers, merged generation, compiled decode."""
     from peft import LoraConfig
 
     run, spec, args = plan.run, plan.spec, plan.args
@@ -210,6 +210,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         unpad(decoder(trainer.model))
     if plan.merged_generation:
         merge_for_generation(trainer, run["trainer"])
+    if plan.compiled_decode:
+        compile_decode(trainer, plan.compiled_decode, plan.device)
     return trainer
 
 
