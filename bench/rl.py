@@ -14,7 +14,10 @@ batch, learning rate and sampling temperature:
   snaketrl-compiled  the same with its decode compiled on a static cache (snaketrl.train.generation.compile_decode,
                 the cache sized for the longest prompt of the rows plus the completion cap; on a CPU through
                 transformers' `_compile_all_devices`): the compile is in step 1, which the table leaves out.
-                Measured before the plan chooses it on a device (on a CPU it was slower: docs/benchmarks.md)
+                Measured before the plan chooses it on a device (on a CPU it was slower: docs/benchmarks.md; the
+                plan chooses it on CUDA for GRPO and RLOO). PPO: the policy's own generation config carries it
+                (compile_policy_decode; TRL's loop builds its config in `train`), the cache sized for the longest
+                tokenized prompt plus response_length; the plan does not choose it for PPO until a GPU measures it
 Each optimizer step is timed on the wall clock and on the process's CPU clock (with one thread on a shared machine
 the steadier measure: other load stretches wall time, not a one-thread process's CPU time), and split into
   generation    TRL's `_generate` (sampling the completions)
@@ -78,7 +81,7 @@ TUNED = {"trl-tuned": {"activation_checkpointing": False},
          "trl-tuned-cb": {"activation_checkpointing": False, "use_transformers_continuous_batching": True}}
 ONLINE = ("grpo", "rloo")  # trainers whose steps go through TRL's _generate_and_score_completions
 BENCHED = (*ONLINE, "ppo")  # and PPO, timed through its own loop (PPOStepSplit)
-NOT_FOR_PPO = ("trl-tuned-cb", "snaketrl-compiled")  # TRL's PPO has no continuous batching nor _generate_single_turn
+NOT_FOR_PPO = ("trl-tuned-cb",)  # TRL's PPO has no continuous batching
 PARTS = ("generation", "scoring", "trained", "other")
 
 
@@ -446,10 +449,10 @@ def snaketrl_job(job: dict, callbacks: list) -> dict:
 
 def compiled_on_first_generation(cls) -> None:
     """The trainer class's generation compiles its decode (compile_decode) from its first call on, the static
-    cache sized for the longest prompt of its rows (as TRL renders them) plus the completion cap, in 64s."""
+    cache sized for the longest prompt of its rows (as TRL renders them) plus the completion cap."""
     from trl.data_utils import maybe_apply_chat_template
 
-    from snaketrl.train.generation import compile_decode
+    from snaketrl.train.generation import compile_decode, static_cache_len
 
     generate = cls._generate_single_turn
 
@@ -458,12 +461,28 @@ def compiled_on_first_generation(cls) -> None:
             tokenizer = trainer.processing_class
             longest = max(len(tokenizer(maybe_apply_chat_template({"prompt": row["prompt"]}, tokenizer)["prompt"],
                                         add_special_tokens=False)["input_ids"]) for row in trainer.train_dataset)
-            compile_decode(trainer, -(-(longest + trainer.max_completion_length) // 64) * 64,
+            compile_decode(trainer, static_cache_len(longest, trainer.max_completion_length),
                            trainer.accelerator.device.type)
             trainer._bench_compiled = True
         return generate(trainer, *args, **kwargs)
 
     cls._generate_single_turn = generate_compiled
+
+
+def compiled_ppo(cls) -> None:
+    """The PPO trainer class's `train` first compiles the policy's decode (compile_policy_decode), the static cache
+    sized for the longest prompt of its rows (token ids) plus response_length."""
+    from snaketrl.train.generation import compile_policy_decode, static_cache_len
+
+    train = cls.train
+
+    def train_compiled(trainer, *args, **kwargs):
+        longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+        compile_policy_decode(trainer.policy_model, static_cache_len(longest, trainer.args.response_length),
+                              trainer.accelerator.device.type)
+        return train(trainer, *args, **kwargs)
+
+    cls.train = train_compiled
 
 
 def worker(job_file: str) -> None:
@@ -485,6 +504,8 @@ def worker(job_file: str) -> None:
 
         split = PPOStepSplit()
         split.wrap(ppo_trainer)
+        if job["arm"] == "snaketrl-compiled":
+            compiled_ppo(load(REGISTRY["ppo"].trainer))
         plain = plain_trl_ppo
     else:
         split = StepSplit()

@@ -144,3 +144,32 @@ def test_ppo_arms_split_their_updates(tmp_path, config, tiny_model_dir):
     rows, best = rl.table("ppo", results)
     assert len(rows) == 3 and "**snaketrl / trl**" in rows[2]
     assert best["trl"]["rewards"] == [s["reward"] for s in results["trl"][0]["steps"]]
+
+
+def test_the_compiled_ppo_arm_sets_the_policys_generation_config_before_training():
+    """The snaketrl-compiled arm of PPO (no longer in NOT_FOR_PPO): the PPO trainer's `train` first puts the static
+    cache (the longest tokenized prompt, 70, plus response_length 8, in 64s: 128) and the compile into its policy's
+    generation config, from which transformers fills PPO's (tests/test_generation.py: the same tokens)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    assert "snaketrl-compiled" not in rl.NOT_FOR_PPO
+    seen = []
+
+    class Trainer:
+        def train(self, resume_from_checkpoint=None):
+            seen.append(self.policy_model.generation_config.to_dict())
+            return "trained"
+
+    rl.compiled_ppo(Trainer)
+    trainer = Trainer()
+    trainer.train_dataset = {"input_ids": [[5] * 10, [5] * 70, [5] * 40]}
+    trainer.args = SimpleNamespace(response_length=8)
+    trainer.accelerator = SimpleNamespace(device=SimpleNamespace(type="cpu"))
+    trainer.policy_model = SimpleNamespace(generation_config=GenerationConfig())
+    assert trainer.train() == "trained"
+    [config] = seen
+    assert (config["cache_implementation"], config["max_cache_len"], config["disable_compile"]) == ("static", 128,
+                                                                                                   False)
+    assert config["compile_config"].fullgraph is True

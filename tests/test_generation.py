@@ -459,3 +459,36 @@ def test_merged_generation_composes_with_a_compiled_decode(tiny_model_dir):
                 if "lora_B" in name:
                     param.add_(0.2)
     assert counters["stats"]["unique_graphs"] == 1  # compiled once: new weight tensors are new inputs, no recompile
+
+
+def test_ppos_generation_compiles_its_decode_from_the_policys_generation_config(tiny_model_dir):
+    """TRL's PPO loop builds its GenerationConfig in `train` and generates through its module's batch_generation:
+    with compile_policy_decode the policy's own config carries the static cache and the compile (transformers fills
+    what PPO's config leaves unset from it). The same sampled tokens and logits as eager under the same seed, the
+    decode step one graph without a break (aot_eager, as above); the eager call before it really eager."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import GenerationConfig, set_seed
+    from trl.experimental.ppo.ppo_trainer import batch_generation
+
+    from snaketrl.train.generation import compile_policy_decode
+
+    model, tokenizer = lora_model(tiny_model_dir)
+    queries = prompts(tokenizer, n=4)["input_ids"]
+    # as PPOTrainer.train builds it (trl/experimental/ppo/ppo_trainer.py)
+    config = GenerationConfig(max_new_tokens=16, temperature=0.7 + 1e-7, top_k=0.0, top_p=1.0, do_sample=True)
+
+    def generate():
+        set_seed(0)
+        return batch_generation(model, queries, 2, tokenizer.pad_token_id, config)
+
+    counters.clear()
+    eager, eager_logits = generate()
+    assert counters["stats"]["unique_graphs"] == 0 and eager.shape[1] == queries.shape[1] + 16
+    compile_policy_decode(model, 64, "cpu")
+    model.generation_config.compile_config.backend = "aot_eager"
+    compiled, logits = generate()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+    assert torch.equal(compiled, eager)
+    assert torch.allclose(logits, eager_logits, atol=1e-4)
+    assert config.cache_implementation is None  # PPO's own config untouched: the model's filled the call's copy

@@ -11,6 +11,8 @@ on CUDA as CUDA graphs. On an H200 GRPO's step took 1.52 s against 7.80 s eager 
 model's shape, 64 completions of 128 tokens), its first step 55 s against 14 s for the compile; on a CPU it measured
 slower than the eager decode (docs/benchmarks.md). It composes with merged generation: the compiled step takes the
 weights as inputs of its graph, so each call's merged copies are read, without a recompile (tests/test_generation.py).
+TRL's PPO loop builds its generation config in `train`: `compile_policy_decode` sets the policy's instead, which
+transformers merges under it; bench/rl.py's `snaketrl-compiled` arm only, until a GPU measures it.
 
 Both are decided in the plan (snaketrl.train.plan: `merges_for_generation` on a CPU, `compiles_decode` on CUDA) and
 applied by snaketrl.train.run.build_trainer.
@@ -69,6 +71,12 @@ def merge_for_generation(trainer, trainer_name: str) -> None:
     setattr(trainer, name, generate_merged)
 
 
+def static_cache_len(longest_prompt: int, completion: int) -> int:
+    """compile_decode's cache positions for prompts of at most `longest_prompt` tokens and completions of at most
+    `completion`, in 64s: one size for every batch, one compile per batch size."""
+    return -(-(longest_prompt + completion) // 64) * 64
+
+
 def compile_decode(trainer, max_cache_len: int, device: str) -> None:
     """Patch a built GRPO or RLOO trainer (generating with the policy's own generate): its decode steps run on a
     static KV cache of `max_cache_len` positions through transformers' compiled forward (on CUDA, CUDA graphs:
@@ -79,11 +87,22 @@ def compile_decode(trainer, max_cache_len: int, device: str) -> None:
     instead of running in pieces (under CUDA graphs, a piece's output is overwritten by the next piece's run:
     the H200's "accessing tensor output of CUDAGraphs that has been overwritten"). The prefill stays eager, as
     transformers runs it; snaketrl.train.cost.FlopMeter counts each compiled step outside its graph."""
+    trainer.generation_kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
+    set_compiled(trainer.generation_config, max_cache_len, device)
+
+
+def compile_policy_decode(model, max_cache_len: int, device: str) -> None:
+    """compile_decode for a trainer that builds its generation config anew in each call (TRL's PPO loop: in
+    `train`): `model`'s own generation config (a peft model's: its base model's) gets the compiled decode's
+    fields. transformers fills what a passed config leaves unset (PPO's sets sampling and length only) from it."""
+    set_compiled(model.generation_config, max_cache_len, device)
+
+
+def set_compiled(config, max_cache_len: int, device: str) -> None:
+    """Set a GenerationConfig's fields for compile_decode: static cache, compile on, fullgraph."""
     from transformers import CompileConfig
 
-    trainer.generation_kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = device != "cuda" or None
-    config = trainer.generation_config
     config.cache_implementation, config.max_cache_len, config.disable_compile = "static", max_cache_len, False
     config.compile_config = compile_config

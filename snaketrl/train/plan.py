@@ -26,7 +26,7 @@ from snaketrl.train.args import (check_args, check_hardware, check_liger_model, 
 from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
-from snaketrl.train.generation import COMPILES, GENERATES
+from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
 from snaketrl.train.memory import choose_checkpointing
 from snaketrl.trainers import REGISTRY, Trainer, load
 
@@ -232,11 +232,11 @@ def planned_generations(args, lengths: dict) -> int | None:
 
 
 def cache_positions(lengths: dict, args) -> int:
-    """The static cache's positions: the length stage's longest prompt (TRL cuts none) and the completion cap,
-    in 64s. One size for every batch: one compile per batch size. A longer prompt (an eval row) gets a larger
-    cache from transformers, which sizes it to the larger of this and the call's length, and a recompile."""
+    """The static cache's positions: the length stage's longest prompt (TRL cuts none) and the completion cap
+    (static_cache_len). A longer prompt (an eval row) gets a larger cache from transformers, which sizes it to the
+    larger of this and the call's length, and a recompile."""
     longest = lengths.get("percentiles", {}).get("p100") or lengths["max_length"]
-    return -(-(longest + args.max_completion_length) // 64) * 64
+    return static_cache_len(longest, args.max_completion_length)
 
 
 def compiles_decode(run: dict, device: str, args, sharded: bool, generations: int | None) -> tuple[bool, str]:
