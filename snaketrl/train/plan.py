@@ -3,8 +3,8 @@
 From the resolved run (its config), the length stage's file, the device and the process group, `plan_run`
 decides the batching, the processes' split of the batch, the TRL args (built once: steps from `max_tokens`,
 activation checkpointing from memory, bf16 from the hardware), the attention, row groups, unpadding, merged
-generation and compiled decode. The train job then loads, builds and trains as planned (snaketrl.train.run); the manifest and
-metrics.json report the plan. Only the loss choice waits for the loaded model (snaketrl.train.labelled.choose).
+generation and compiled decode. The train job then loads, builds and trains as planned (snaketrl.train.run); the
+manifest and metrics.json report the plan. Only the loss choice waits for the loaded model (snaketrl.train.labelled.choose).
 
 No torch import here: the device's facts come in as a `Device` (`detect_device` reads them from torch).
 """
