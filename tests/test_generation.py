@@ -244,7 +244,8 @@ def test_the_plan_compiles_the_decode_on_a_gpu_for_a_real_model(tmp_path, config
 
 @pytest.mark.parametrize("change", [{"device": "cpu"}, {"trainer": "ppo"}, {"trainer": "online_dpo"},
                                     {"trainer": "sft"}, {"model_entry": {"quantization": "4bit"}},
-                                    {"model_entry": {"tiny": {}}}, {"sharded": True}, {"use_vllm": True},
+                                    {"model_entry": {"tiny": {}}}, {"lora": {"lora_dropout": 0.05}},
+                                    {"sharded": True}, {"use_vllm": True},
                                     {"use_transformers_continuous_batching": True}, {"generations": 7},
                                     {"generations": None}])
 def test_the_plan_keeps_the_eager_decode_where_a_compile_is_unmeasured_or_does_not_pay(change):
@@ -252,14 +253,14 @@ def test_the_plan_keeps_the_eager_decode_where_a_compile_is_unmeasured_or_does_n
 
     from snaketrl.train.plan import compiles_decode
 
-    facts = {"trainer": "grpo", "model_entry": {"gguf": {}}, "device": "cuda", "sharded": False, "use_vllm": False,
-             "use_transformers_continuous_batching": False, "generations": 8}
+    facts = {"trainer": "grpo", "model_entry": {"gguf": {}}, "lora": {"r": 16, "lora_dropout": 0.0}, "device": "cuda",
+             "sharded": False, "use_vllm": False, "use_transformers_continuous_batching": False, "generations": 8}
 
     def compiles(facts):
         args = SimpleNamespace(use_vllm=facts["use_vllm"],
                                use_transformers_continuous_batching=facts["use_transformers_continuous_batching"])
-        return compiles_decode({"trainer": facts["trainer"], "model_entry": facts["model_entry"]}, facts["device"],
-                               args, facts["sharded"], facts["generations"])
+        run = {key: facts[key] for key in ("trainer", "model_entry", "lora")}
+        return compiles_decode(run, facts["device"], args, facts["sharded"], facts["generations"])
 
     assert compiles(facts)[0] is True
     on, why = compiles({**facts, **change})

@@ -4,7 +4,8 @@ From the resolved run (its config), the length stage's file, the device and the 
 decides the batching, the processes' split of the batch, the TRL args (built once: steps from `max_tokens`,
 activation checkpointing from memory, bf16 from the hardware), the attention, row groups, unpadding, merged
 generation and compiled decode. The train job then loads, builds and trains as planned (snaketrl.train.run); the
-manifest and metrics.json report the plan. Only the loss choice waits for the loaded model (snaketrl.train.labelled.choose).
+manifest and metrics.json report the plan. Only the loss choice waits for the loaded model
+(snaketrl.train.labelled.choose).
 
 No torch import here: the device's facts come in as a `Device` (`detect_device` reads them from torch).
 """
@@ -243,12 +244,14 @@ def compiles_decode(run: dict, device: str, args, sharded: bool, generations: in
     """Whether a GRPO or RLOO run decodes on a static cache through transformers' compiled forward (CUDA graphs;
     snaketrl.train.generation.compile_decode), and why. On CUDA only: a CPU measured it slower (docs/benchmarks.md).
     Off under vLLM and TRL's continuous batching (their own decode), FSDP or ZeRO-3 (sharded weights, gathered per
-    forward), for a quantized base (unmeasured), for a tiny model (its numbers are measured on TRL's path), and
+    forward), for a quantized base (unmeasured), under LoRA dropout (TRL samples with it on: random numbers in a
+    CUDA graph, unmeasured), for a tiny model (its numbers are measured on TRL's path), and
     where the run's generation rounds (`generations`: planned_generations) are too few to pay the compile back
     (PAYBACK_GENERATIONS: ~8 steps as measured) or unknown: then why, for the plan's notes."""
     entry = run["model_entry"]
     if run["trainer"] not in COMPILES or device != "cuda" or "tiny" in entry or entry.get("quantization") or sharded \
-            or getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+            or run["lora"].get("lora_dropout", 0.0) or getattr(args, "use_vllm", False) \
+            or getattr(args, "use_transformers_continuous_batching", False):
         return False, ""
     measured = ("on an H200, GRPO on a Qwen2.5-0.5B shape (LoRA r16, bf16, 64 completions of 128 tokens) took 1.52 s "
                 "a step compiled against 7.80 s eager (generation 5.5x faster), its first step 55 s against 14 s "
