@@ -11,6 +11,8 @@ batch, learning rate and sampling temperature:
   trl-tuned-cb  the same with use_transformers_continuous_batching=True (on a 2-core EPYC the slower of the two,
                 docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
   snaketrl      the workflow's train_run on the run as the config resolves it, with the length stage's choice
+                and the plan's decode (compiled on CUDA for a real model's GRPO or RLOO of 8 steps or more; eager for
+                bench/rl-gpu.yaml's model, which is built here as a `tiny` entry, and for --steps under 8)
   snaketrl-compiled  the same with its decode compiled on a static cache (snaketrl.train.generation.compile_decode,
                 the cache sized for the longest prompt of the rows plus the completion cap; on a CPU through
                 transformers' `_compile_all_devices`): the compile is in step 1, which the table leaves out.
