@@ -87,7 +87,8 @@ FIRST = {
     "sft": [turns("TITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:", "I lost my keys.")],
     "dpo": [turns(*HH, "Six."), turns(*HH, "Seven.")],
     "kto": [turns(*HH, "Seven."), turns(*HH, "Six.")],  # TRL's unpaired rows, its KL pairing first
-    "orpo": [turns(*HH, "Six."), turns(*HH, "Seven.")],
+    # TRL's experimental ORPO appends eos to each completion, after the template's own <|im_end|>\n
+    "orpo": [turns(*HH, "Six.") + "<|im_end|>", turns(*HH, "Seven.") + "<|im_end|>"],
     "reward": [turns("She walked into the room and saw a", "misty, delicate window."),
                turns("She walked into the room and saw a", "window.")],
     "grpo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK] * 2,

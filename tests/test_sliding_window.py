@@ -72,9 +72,10 @@ def test_the_window_changes_the_losses(gemma_dir):
         assert (a == pytest.approx(b, rel=1e-6)) is (n <= WINDOW), n
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa", "varlen"])
+@pytest.mark.parametrize("attention, device", [
+    ("eager", "cpu"), ("sdpa", "cpu"), ("varlen", "cpu"),
+    *[pytest.param(attention, "cuda", marks=pytest.mark.cuda) for attention in ("sdpa", "varlen")]])
 def test_each_attention_keeps_the_window_packed_and_padded(gemma_dir, attention, packed, device):
     """Packed: one padding-free row whose position_ids restart per sequence (TRL's packing and padding_free):
     transformers' masks window each sequence by its positions, varlen by its cumulative lengths. Padded: a
@@ -82,8 +83,6 @@ def test_each_attention_keeps_the_window_packed_and_padded(gemma_dir, attention,
     under eager attention (on CUDA: varlen's flash kernel with window_size, to bf16's rounding)."""
     import torch
 
-    if device == "cuda" and attention == "eager":
-        pytest.skip("the CUDA check is varlen's and sdpa's")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     reference = model_with(gemma_dir, "eager", device, dtype)
     model = model_with(gemma_dir, attention, device, dtype)
@@ -130,6 +129,28 @@ def test_unpadded_varlen_keeps_the_window(gemma_dir, device):
     assert_matches(reference, row_losses(reference, ids, mask, labels), flat, row_losses(flat, ids, mask, labels),
                    device)
     assert seen == [(1, sum(LENGTHS))]
+
+
+def test_unpadded_varlen_refuses_a_gap_inside_a_row_under_a_window(gemma_dir):
+    """Padding between a row's tokens (no trainer varlen runs makes it: TRL right-pads or flushes left) counts in a
+    padded forward's window, and not in varlen's over the real tokens: refused in one line, not trained otherwise."""
+    import torch
+    from transformers import AutoConfig
+
+    from snaketrl.train.attention import unpad, windowed
+    from snaketrl.train.cost import decoder
+
+    ids, mask, _ = padded_batch()
+    mask[0, 6:10] = 0
+    flat = model_with(gemma_dir, "varlen")
+    unpad(decoder(flat))
+    with pytest.raises(ValueError, match=r"^attn_implementation varlen: a row with padding between its tokens under "
+                                         r"sliding-window attention \(sliding_window 4\): varlen would not count "
+                                         r"the padding in the window as the padded forward does; use sdpa$"):
+        flat(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert windowed(flat.config) and not windowed(AutoConfig.for_model("qwen2"))  # Qwen2's window is off
+    with torch.no_grad():  # a right-padded batch still runs
+        flat(input_ids=ids, attention_mask=padded_batch()[1], use_cache=False)
 
 
 def test_row_groups_keep_the_window(gemma_dir, monkeypatch):
