@@ -22,6 +22,8 @@ ROWS = {
              "answer": "Sam has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
     "ppo": {"prompt": "Through the window they noticed a"},
 }
+# KTO and ORPO read DPO's pair (KTO as its two unpaired rows), RLOO GRPO's prompt.
+ROWS.update(kto=ROWS["dpo"], orpo=ROWS["dpo"], rloo=ROWS["grpo"])
 # A step or two of each, on that one row.
 ARGS = {
     "sft": {"per_device_train_batch_size": 1},
@@ -30,8 +32,12 @@ ARGS = {
     "grpo": {"num_generations": 2, "per_device_train_batch_size": 2, "max_completion_length": 4},
     "ppo": {"per_device_train_batch_size": 1, "local_rollout_forward_batch_size": 1, "response_length": 4,
             "num_ppo_epochs": 1, "num_mini_batches": 1, "num_sample_generations": 0, "stop_token": "eos"},
+    "kto": {"per_device_train_batch_size": 2},
+    "orpo": {"per_device_train_batch_size": 1},
+    "rloo": {"num_generations": 2, "per_device_train_batch_size": 2, "max_completion_length": 4},
 }
-DATASETS = {"sft": "tldr", "dpo": "hh", "reward": "descriptiveness", "grpo": "arithmetic", "ppo": "descriptiveness"}
+DATASETS = {"sft": "tldr", "dpo": "hh", "reward": "descriptiveness", "grpo": "arithmetic", "ppo": "descriptiveness",
+            "kto": "hh", "orpo": "hh", "rloo": "arithmetic"}
 
 
 def first_forward():
@@ -88,7 +94,7 @@ def config_for(model_name: str, model_entry: dict, trainer: str, steps: int) -> 
         "datasets": {dataset: {"files": "workflow:data/samples/tldr.jsonl"}},
         # The trainer's own fields under its args: `training` applies to every trainer (PPO's rm run too).
         "trainers": {trainer: {"dataset": dataset, "args": dict(ARGS[trainer]),
-                               **({"reward_funcs": ["accuracy"]} if trainer == "grpo" else {}),
+                               **({"reward_funcs": ["accuracy"]} if REGISTRY[trainer].reward_funcs else {}),
                                **({"reward_model": "rm"} if trainer == "ppo" else {})},
                      **({"reward": {"dataset": dataset}} if trainer == "ppo" else {})},
         "training": {"max_steps": steps, "eval_strategy": "no", "save_strategy": "no", "logging_steps": 1,
@@ -130,6 +136,17 @@ def first_training_ids(trainer: str, model_name: str, model_entry: dict, model_d
               reward_dir=reward_dir, callbacks=[seen], threads=threads)
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir))
     return [[t for t in row if t != tokenizer.pad_token_id] for row in seen.sequences()], tokenizer
+
+
+def trained_rows(trainer: str, model_name: str, model_entry: dict, model_dir, work: Path, expected: list[str], *,
+                 reward_dir=None) -> list[list[int]]:
+    """The first forward's rows of two steps of `trainer` (first_training_ids; `reward_dir` for PPO), checked to be
+    the `expected` texts: decoded, and as the tokenizer writes them."""
+    ids, tokenizer = first_training_ids(trainer, model_name, model_entry, model_dir, work, steps=2,
+                                        reward_dir=reward_dir if trainer == "ppo" else None)
+    assert [decoded(tokenizer, row) for row in ids] == expected
+    assert ids == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in expected]
+    return ids
 
 
 def first_eval_prompt_ids(model_name: str, model_dir, work: Path, monkeypatch, *, chat: bool = True) -> list[int]:

@@ -277,3 +277,20 @@ def test_zephyr_ends_turns_with_eos_and_needs_one(base_dir, tmp_path):
                                           r"tokenizer's eos token, and this model's tokenizer has none; use chatml or "
                                           r"llama3$"):
         chat_template.apply("m", "zephyr", AutoModelForCausalLM.from_pretrained(base_dir), bare)
+
+
+def test_a_named_template_writes_bos_first_where_the_tokenizer_opens_every_text_with_it(base_dir):
+    """Gemma's tokenizer starts every text with <bos> (its greedy answers without it are noise), and TRL tokenizes
+    a rendered chat without special tokens: chatml and zephyr then write bos first. A tokenizer that adds none (the
+    base's, GPT-2's) keeps the template as named (test_chatml_is_given_once_where_the_model_is_fetched)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name, first_turn in (("chatml", "<|im_start|>user\nhi<|im_end|>\n"), ("zephyr", "<|user|>\nhi<|endoftext|>\n")):
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tokenizer.bos_token_id)])
+        assert tokenizer("hi")["input_ids"][0] == tokenizer.bos_token_id
+        chat_template.apply("base", name, AutoModelForCausalLM.from_pretrained(base_dir), tokenizer)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert text == "<|endoftext|>" + first_turn

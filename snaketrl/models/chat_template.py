@@ -100,6 +100,10 @@ def apply(name: str, value: str, model, tokenizer, source: str | None = None) ->
         else:
             named = NAMED[value]
             tokenizer.chat_template = named.text if named.text is not None else trl_template(named.trl_file)
+            if named.text is not None and opens_with_bos(tokenizer):
+                # The model read bos first in every pretraining text (Gemma's greedy answer without it is noise);
+                # TRL tokenizes a rendered chat without special tokens, so the template writes it.
+                tokenizer.chat_template = "{{ bos_token }}" + named.text
         vocab = tokenizer.get_vocab()
         if named.bos and tokenizer.bos_token is None:
             tokenizer.add_special_tokens({"bos_token": named.bos})
@@ -125,6 +129,12 @@ def apply(name: str, value: str, model, tokenizer, source: str | None = None) ->
             "eos_token": tokenizer.eos_token, **({"replaced_eos_token": old_eos} if old_eos != tokenizer.eos_token
                                                 else {}),
             "vocab_size": [before, len(tokenizer)]}
+
+
+def opens_with_bos(tokenizer) -> bool:
+    """Whether the tokenizer starts a plain text with its bos token (Gemma's and Llama's do, GPT-2's does not)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
 def trl_template(file: str) -> str:

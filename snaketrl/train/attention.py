@@ -216,6 +216,15 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     return out.reshape(batch, length, heads, dim), None
 
 
+def windowed(config) -> bool:
+    """Whether some layer of the model attends within a sliding window (Gemma 2 and 3, Mistral; not Qwen2, whose
+    config keeps the field at None unless use_sliding_window)."""
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    return not types or "sliding_attention" in types
+
+
 def unpad(decoder) -> list:
     """Run every padded batch through `decoder` (a model's decoder stack, loaded with varlen) padding-free: its
     rows' real tokens as one flattened row, each row a sequence of its own at the positions the padded forward
@@ -225,6 +234,7 @@ def unpad(decoder) -> list:
     import torch
 
     pending = []  # per decoder call: (index of the real tokens, rows, width), or None
+    window = windowed(decoder.config)
 
     def flatten(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -237,6 +247,11 @@ def unpad(decoder) -> list:
         if bool(keep.all()):
             pending.append(None)
             return None
+        if window and bool(((keep[:, 1:] & ~keep[:, :-1]).sum(-1) + keep[:, 0] > 1).any()):
+            # The padded forward counts a gap's positions in the window, varlen only the real tokens around it.
+            raise ValueError(f"attn_implementation {NAME}: a row with padding between its tokens under sliding-window "
+                             f"attention (sliding_window {decoder.config.sliding_window}): varlen would not count "
+                             f"the padding in the window as the padded forward does; use sdpa")
         rows, width = ids.shape
         index, cu, longest = sequences(rows, width, keep, None)
         positions = kwargs.get("position_ids")
