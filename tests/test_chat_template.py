@@ -219,7 +219,8 @@ def test_the_template_decides_the_model_job_and_every_run(config, tmp_path):
     runs = resolve_runs(with_base(config, {"chat_template": "chatml"}))
     assert runs["sft-base"]["model_entry"]["chat_template"] == "chatml"
     # The download job's params: an edit of the template makes the model again (and so reruns what reads it).
-    assert model_source_entry(config["models"]["base"]) == {"hub": "org/base", "chat_template": "chatml"}
+    assert model_source_entry(config["models"]["base"]) == {"hub": "org/base", "chat_template": "chatml",
+                                                        "chat_template_revision": chat_template.REVISION}
     assert chat_template_file(config["models"]["base"]) == {}  # a name: nothing to read
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     assert chat_template_file({"chat_template": "workflow:t.jinja"}, lambda rel: f"{tmp_path}/{rel}") == {

@@ -5,6 +5,7 @@ the resume fingerprint), each value canonical so that the same config in another
 from __future__ import annotations
 
 from snaketrl import remote_code
+from snaketrl.models import chat_template
 from snaketrl.train import distributed, live
 from snaketrl.trainers import REGISTRY
 
@@ -17,9 +18,13 @@ def model_entry(entry: dict) -> dict:
 
 def model_source_entry(entry: dict) -> dict:
     """What decides a downloaded model's files: its source (hub, revision, trust_remote_code; or gguf) and the chat
-    template it is given, not how runs train it (lora, quantization, chat, threads)."""
-    return {key: entry[key] for key in ("hub", "revision", "trust_remote_code", "gguf", "chat_template")
-            if key in entry}
+    template it is given (a named one with the revision of how it renders), not how runs train it (lora,
+    quantization, chat, threads)."""
+    source = {key: entry[key] for key in ("hub", "revision", "trust_remote_code", "gguf", "chat_template")
+              if key in entry}
+    if chat_template.kind(entry.get("chat_template", "")) == "named":
+        source["chat_template_revision"] = chat_template.REVISION
+    return source
 
 
 def chat_model(entry: dict) -> bool:

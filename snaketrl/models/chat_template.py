@@ -17,6 +17,10 @@ from snaketrl.errors import ConfigError, close_match
 
 # Written into the model directory: the train job reads the added tokens from it, the manifest copies it.
 RECORD_FILE = "chat_template.json"
+# What a named template writes into a model directory, as a number the download job's params carry: bump it when
+# NAMED or `apply` changes the rendered turns, so models built before the change are built again. 2: a template
+# writes bos where the tokenizer opens every text with it (Gemma 3 reads noise without).
+REVISION = 2
 FILE_SUFFIXES = (".jinja", ".j2")
 LOCAL_PREFIXES = ("/", "./", "../", "~", "workflow:")
 
