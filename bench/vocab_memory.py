@@ -73,7 +73,8 @@ def watchdog(limit: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def one(trainer: str, rows: int, length: int, completion: int, models: Path, tmp: Path, args: dict) -> dict:
+def one(trainer: str, rows: int, length: int, completion: int, policy: Path, reward: Path, tmp: Path,
+        args: dict) -> dict:
     """Train `trainer` a few steps in this process; its peak above the resident memory at the start of training."""
     import yaml
     from transformers import AutoTokenizer, TrainerCallback
@@ -83,7 +84,7 @@ def one(trainer: str, rows: int, length: int, completion: int, models: Path, tmp
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import read_jsonl, write_jsonl
     from snaketrl.train.memory import activation_bytes
-    from snaketrl.train.plan import forward_tokens
+    from snaketrl.train.plan import forward_tokens, projected_tokens
     from snaketrl.train.run import train_run
     from snaketrl.trainers import REGISTRY
 
@@ -109,7 +110,7 @@ def one(trainer: str, rows: int, length: int, completion: int, models: Path, tmp
     config["matrix"] = {"trainers": [], "models": []}
     run = resolve_runs(config)[f"m-{trainer}"]
     run["model_entry"] = {k: v for k, v in run["model_entry"].items() if k != "tiny"}  # trained as a real model
-    tokenizer = AutoTokenizer.from_pretrained(models / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(policy)
     data = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:8 * rows + 8], dataset=dataset,
                       trainer=trainer, layout=spec.layout, columns={}, split="train").rows
     (tmp / "lengths.json").write_text(json.dumps({"max_length": length}))
@@ -120,14 +121,28 @@ def one(trainer: str, rows: int, length: int, completion: int, models: Path, tmp
 
     start = {}
 
+    widest, step = [0], [0]
+
+    def count(module, args):  # the policy's training forwards in a step (row groups: several), as estimated
+        import torch
+
+        if torch.is_grad_enabled() and args and torch.is_tensor(args[0]):
+            step[0] += args[0].numel()
+            widest[0] = max(widest[0], step[0])
+
     class Peak(TrainerCallback):
-        def on_train_begin(self, *a, **k):
+        def on_train_begin(self, *a, model=None, **k):
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the resident memory now
             start["rss"] = status("VmRSS")
+            model = getattr(model, "policy", model)  # PPO's wrapper
+            model.get_input_embeddings().register_forward_pre_hook(count)
 
-    metrics = train_run(run, model_dir=models / "policy", train_file=tmp / "train.jsonl",
+        def on_step_begin(self, *a, **k):
+            step[0] = 0
+
+    metrics = train_run(run, model_dir=policy, train_file=tmp / "train.jsonl",
                         eval_file=tmp / "eval.jsonl", lengths_file=tmp / "lengths.json", out_dir=tmp / "out",
-                        checkpoint_dir=tmp / "ckpt", reward_dir=models / "reward" if spec.value_model else None,
+                        checkpoint_dir=tmp / "ckpt", reward_dir=reward if spec.value_model else None,
                         callbacks=[Peak()])
     peak = status("VmHWM")
     from types import SimpleNamespace
@@ -135,8 +150,18 @@ def one(trainer: str, rows: int, length: int, completion: int, models: Path, tmp
     fields = SimpleNamespace(per_device_train_batch_size=rows, max_completion_length=completion,
                              response_length=completion if trainer == "ppo" else None)
     tokens = forward_tokens(spec, fields, length)
-    shape = json.loads((models / "policy" / "config.json").read_text())
-    return {"trainer": trainer, "tokens": tokens, "estimate": activation_bytes(shape, tokens, 4),
+    shape = json.loads((policy / "config.json").read_text())
+    from snaketrl.train.args import native_bf16
+
+    size = 2 if native_bf16(cpu=True) else 4  # the plan trains a real model in bf16 where the CPU computes it
+    projected = projected_tokens(trainer, spec, fields, length, shape.get("text_config", shape)["vocab_size"])
+    upcast = trainer == "sft"
+    return {"trainer": trainer, "tokens": tokens, "estimate": activation_bytes(shape, tokens, size, projected, upcast),
+            "trained_tokens": widest[0],
+            # every position: those of the widest step
+            "estimate_trained": activation_bytes(shape, widest[0], size, None if projected == tokens else projected,
+                                                 upcast),
+            "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": peak, "added": peak - start["rss"],
             "labelled": metrics.get("logits_on_labels_only")}
 
@@ -149,6 +174,7 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=32)
     ap.add_argument("--limit-gb", type=float, default=8.0)
     ap.add_argument("--work", default="/tmp/vocab_memory")
+    ap.add_argument("--model", help="a model directory to measure instead (PPO needs its SEQ_CLS copy: left out)")
     ap.add_argument("--trl-logits", action="store_true", help="GRPO's and RLOO's logits unchunked, as TRL has them")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     opts = ap.parse_args()
@@ -162,26 +188,31 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory(dir=work) as tmp:
-            result = one(opts.one, opts.rows, opts.length, opts.completion, work / "models", Path(tmp), {})
+            result = one(opts.one, opts.rows, opts.length, opts.completion, Path(opts.model) if opts.model else
+                         work / "models" / "policy", work / "models" / "reward", Path(tmp), {})
         print("RESULT " + json.dumps(result), flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
     build(work / "models")
     gib = 2 ** 30
-    print(f"{'trainer':8} {'tokens':>6} {'estimate GiB':>12} {'measured GiB':>12} {'ratio':>6}")
+    print(f"{'trainer':8} {'tokens':>6} {'estimate GiB':>12} {'trained':>7} {'estimate GiB':>12} "
+          f"{'measured GiB':>12} {'ratio':>6}")
     for trainer in opts.trainers:
         proc = subprocess.run([sys.executable, __file__, "--one", trainer, "--rows", str(opts.rows), "--length",
                                str(opts.length), "--completion", str(opts.completion), "--limit-gb",
-                               str(opts.limit_gb), "--work", str(work), *(["--trl-logits"] if opts.trl_logits else [])], capture_output=True, text=True,
+                               str(opts.limit_gb), "--work", str(work), *(["--trl-logits"] if opts.trl_logits else []),
+                               *(["--model", opts.model] if opts.model else [])], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
             print(f"{trainer:8} failed: {proc.stderr[-1500:]}")
             continue
         r = json.loads(line[7:])
-        print(f"{trainer:8} {r['tokens']:6d} {r['estimate'] / gib:12.3f} {r['added'] / gib:12.3f} "
-              f"{r['estimate'] / max(r['added'], 1):6.2f}  (peak {r['peak'] / gib:.2f}, labelled {r['labelled']})",
-              flush=True)
+        print(f"{trainer:8} {r['tokens']:6d} {r['estimate'] / gib:12.3f} {r['trained_tokens']:7d} "
+              f"{r['estimate_trained'] / gib:12.3f} {r['added'] / gib:12.3f} "
+              f"{r['estimate_trained'] / max(r['added'], 1):6.2f}  (before: {r['estimate_before'] / gib:.3f} GiB, "
+              f"{r['estimate_before'] / max(r['added'], 1):.2f}; peak {r['peak'] / gib:.2f}, labelled "
+              f"{r['labelled']})", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import GENERATES
-from snaketrl.train.memory import choose_checkpointing
+from snaketrl.train.memory import choose_checkpointing, model_vocab
 from snaketrl.trainers import REGISTRY, Trainer, load
 
 log = logging.getLogger("snaketrl.train")
@@ -107,6 +107,19 @@ def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
     return rows * (max_length + (completion if spec.length_field is None else 0))
 
 
+def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int, vocab: int) -> int:
+    """Positions of one training forward whose logits the trainer holds at once (snaketrl.train.memory): none for
+    a classifier's score head; GRPO's and RLOO's completions (TRL's logits_to_keep), at most two chunks' worth
+    where they are chunked (snaketrl.train.logps: measured, bench/vocab_memory.py); every position otherwise."""
+    if spec.task_type == "SEQ_CLS":
+        return 0
+    if trainer in ("grpo", "rloo"):
+        from snaketrl.train.logps import chunk_positions
+
+        return min(fields.per_device_train_batch_size * fields.max_completion_length, 2 * chunk_positions(vocab, 4))
+    return forward_tokens(spec, fields, max_length)
+
+
 def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Device, world: int = 1) -> TrainPlan:
     """The plan of one resolved run (snaketrl.config.resolve.resolve_run) on `device`, as one of `world` processes.
     Refuses, before any model loads, what cannot run."""
@@ -155,8 +168,11 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
         notes.append("bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)")
     # TRL turns checkpointing on for every run; where the config leaves it unset, memory decides.
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
-        checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, fields, lengths["max_length"]),
-                                                  2 if kwargs["bf16"] else 4, device.free_bytes)
+        vocab = model_vocab(model_dir)
+        checkpointing, why = choose_checkpointing(
+            model_dir, forward_tokens(spec, fields, lengths["max_length"]), 2 if kwargs["bf16"] else 4,
+            device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"], vocab),
+            upcast_head=run["trainer"] == "sft")
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)
