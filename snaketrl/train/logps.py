@@ -44,9 +44,10 @@ def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, p
         with autocast:
             logits = project(h)
         logits = logits.to(hidden.dtype) / temperature
-        with torch.no_grad():
+        logp = selective_log_softmax(logits, t)
+        with torch.no_grad():  # after the log-probs: the backward pass's recomputation stops before it
             spread = entropy_from_logits(logits) if entropy else None
-        return selective_log_softmax(logits, t), spread
+        return logp, spread
 
     logps, entropies = [], []
     for start in range(0, flat.shape[0], positions):
