@@ -158,9 +158,11 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     upcast = trainer == "sft"
     return {"trainer": trainer, "tokens": tokens, "estimate": activation_bytes(shape, tokens, size, projected, upcast),
             "trained_tokens": widest[0],
-            # every position: those of the widest step
-            "estimate_trained": activation_bytes(shape, widest[0], size, None if projected == tokens else projected,
-                                                 upcast),
+            # positions in proportion to the step's tokens, but where they are bounded (0, GRPO's chunks); KTO's
+            # KL forward runs without gradient and is left out of the step's tokens
+            "estimate_trained": activation_bytes(
+                shape, widest[0], size, projected if trainer in ("grpo", "rloo", "reward") else
+                widest[0] * projected // tokens, upcast),
             "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": peak, "added": peak - start["rss"],
             "labelled": metrics.get("logits_on_labels_only")}

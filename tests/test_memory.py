@@ -95,7 +95,8 @@ def test_sft_estimate_counts_the_label_logits_and_the_fp32_head_copy(dtype, monk
 
 def test_the_estimate_counts_logits_where_each_trainer_computes_them(tmp_path):
     """A reward model's score head projects onto no vocabulary; GRPO projects its completions alone, at most two
-    chunks of them at once (snaketrl.train.logps); SFT every position and the fp32 head copy."""
+    chunks of them at once (snaketrl.train.logps); ORPO one and a half times every position; SFT
+    every position and the fp32 head copy."""
     from types import SimpleNamespace
 
     from snaketrl.train.logps import chunk_positions
@@ -111,6 +112,9 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them(tmp_path):
     assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256, 1024) == 512  # one chunk: TRL's own path
     assert forward_tokens(REGISTRY["grpo"], fields, 256) == 16 * (256 + 32)
     assert projected_tokens("sft", REGISTRY["sft"], fields, 256, 262144) == 16 * 256
+    # a preference pair is two rows
+    assert projected_tokens("kto", REGISTRY["kto"], fields, 256, 262144) == 2 * 16 * 256
+    assert projected_tokens("orpo", REGISTRY["orpo"], fields, 256, 262144) == 3 * 16 * 256
     layers = 18 * (38 * 640 + 10 * 2048)
     assert activation_bytes(gemma, 4096, 2, projected=0) == 4096 * layers
     assert activation_bytes(gemma, 4096, 2, upcast_head=True) == 4096 * (layers + 12 * 262144) + 4 * 262144 * 640

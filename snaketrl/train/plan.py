@@ -108,16 +108,20 @@ def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
 
 
 def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int, vocab: int) -> int:
-    """Positions of one training forward whose logits the trainer holds at once (snaketrl.train.memory): none for
-    a classifier's score head; GRPO's and RLOO's completions (TRL's logits_to_keep), at most two chunks' worth
-    where they are chunked (snaketrl.train.logps: measured, bench/vocab_memory.py); every position otherwise."""
+    """Positions' worth of logits one training step holds at once (snaketrl.train.memory counts 12 bytes per
+    vocabulary entry for each): none for a classifier's score head; GRPO's and RLOO's completions (TRL's
+    logits_to_keep), at most two chunks' worth where they are chunked (snaketrl.train.logps); ORPO's one and a half
+    times every position (its NLL term takes a log-softmax of the chosen rows' logits again); every position
+    otherwise (KTO's: a pair's two rows are its example and its KL term's mismatched one). Measured:
+    bench/vocab_memory.py."""
     if spec.task_type == "SEQ_CLS":
         return 0
     if trainer in ("grpo", "rloo"):
         from snaketrl.train.logps import chunk_positions
 
         return min(fields.per_device_train_batch_size * fields.max_completion_length, 2 * chunk_positions(vocab, 4))
-    return forward_tokens(spec, fields, max_length)
+    every = forward_tokens(spec, fields, max_length)
+    return every * 3 // 2 if trainer == "orpo" else every
 
 
 def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Device, world: int = 1) -> TrainPlan:
