@@ -10,6 +10,10 @@ CHUNK_BYTES of logits at a time; the training forward recomputes each chunk's lo
 in one chunk keeps TRL's own path unchanged, as does one with images, a mixture of experts' auxiliary loss, a
 differentiable entropy bonus, or a model whose forward changes its logits after the projection (softcapping,
 a logit scale) or that takes no logits_to_keep.
+
+bench/vocab_memory.py (a 262,144-entry vocabulary on a 64-wide model, 2 CPU cores): a GRPO step of 8 prompts x 64
+completion tokens added 1.56 GiB to the process's resident memory with TRL's path, 0.40 GiB chunked; 4 x 32,
+0.70 and 0.33 GiB (RLOO the same).
 """
 
 from __future__ import annotations
