@@ -154,15 +154,13 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     from snaketrl.train.args import native_bf16
 
     size = 2 if native_bf16(cpu=True) else 4  # the plan trains a real model in bf16 where the CPU computes it
-    projected = projected_tokens(trainer, spec, fields, length, shape.get("text_config", shape)["vocab_size"])
+    projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
     return {"trainer": trainer, "tokens": tokens, "estimate": activation_bytes(shape, tokens, size, projected, upcast),
             "trained_tokens": widest[0],
-            # positions in proportion to the step's tokens, but where they are bounded (0, GRPO's chunks); KTO's
-            # KL forward runs without gradient and is left out of the step's tokens
-            "estimate_trained": activation_bytes(
-                shape, widest[0], size, projected if trainer in ("grpo", "rloo", "reward") else
-                widest[0] * projected // tokens, upcast),
+            # positions in proportion to the step's tokens; KTO's KL forward runs without gradient and is left out
+            # of the step's tokens
+            "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast),
             "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": peak, "added": peak - start["rss"],
             "labelled": metrics.get("logits_on_labels_only")}

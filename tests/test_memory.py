@@ -93,28 +93,24 @@ def test_sft_estimate_counts_the_label_logits_and_the_fp32_head_copy(dtype, monk
         assert activation_bytes(shape, tokens, size, projected=labels) == estimate
 
 
-def test_the_estimate_counts_logits_where_each_trainer_computes_them(tmp_path):
-    """A reward model's score head projects onto no vocabulary; GRPO projects its completions alone, at most two
-    chunks of them at once (snaketrl.train.logps); ORPO one and a half times every position; SFT
-    every position and the fp32 head copy."""
+def test_the_estimate_counts_logits_where_each_trainer_computes_them():
+    """A reward model's score head projects onto no vocabulary; ORPO one and a half times every position; SFT every
+    position and the fp32 head copy; GRPO every position (an upper bound: its completions, chunked)."""
     from types import SimpleNamespace
 
-    from snaketrl.train.logps import chunk_positions
     from snaketrl.train.memory import activation_bytes
     from snaketrl.train.plan import forward_tokens, projected_tokens
     from snaketrl.trainers import REGISTRY
 
     gemma = {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "vocab_size": 262144}
     fields = SimpleNamespace(per_device_train_batch_size=16, max_completion_length=32)
-    assert projected_tokens("reward", REGISTRY["reward"], fields, 256, 262144) == 0
-    assert chunk_positions(262144, 4) == 64
-    assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256, 262144) == 128  # of 512 completion tokens
-    assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256, 1024) == 512  # one chunk: TRL's own path
-    assert forward_tokens(REGISTRY["grpo"], fields, 256) == 16 * (256 + 32)
-    assert projected_tokens("sft", REGISTRY["sft"], fields, 256, 262144) == 16 * 256
+    assert projected_tokens("reward", REGISTRY["reward"], fields, 256) == 0
+    assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256) == forward_tokens(REGISTRY["grpo"], fields, 256) \
+        == 16 * (256 + 32)
+    assert projected_tokens("sft", REGISTRY["sft"], fields, 256) == 16 * 256
     # a preference pair is two rows
-    assert projected_tokens("kto", REGISTRY["kto"], fields, 256, 262144) == 2 * 16 * 256
-    assert projected_tokens("orpo", REGISTRY["orpo"], fields, 256, 262144) == 3 * 16 * 256
+    assert projected_tokens("kto", REGISTRY["kto"], fields, 256) == 2 * 16 * 256
+    assert projected_tokens("orpo", REGISTRY["orpo"], fields, 256) == 3 * 16 * 256
     layers = 18 * (38 * 640 + 10 * 2048)
     assert activation_bytes(gemma, 4096, 2, projected=0) == 4096 * layers
     assert activation_bytes(gemma, 4096, 2, upcast_head=True) == 4096 * (layers + 12 * 262144) + 4 * 262144 * 640

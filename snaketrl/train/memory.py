@@ -16,9 +16,9 @@ adapters' inputs. The logits add, per token, the vocabulary in fp32 three times 
 loss, then its gradient and the logits' at the start of the backward): 12·V bytes, as the same measurement
 found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 
-The logits count where a trainer computes them (`projected`): a classifier (the reward model) projects onto no
-vocabulary, GRPO and RLOO only the completions (TRL's logits_to_keep), in chunks where they are large
-(snaketrl.train.logps); the others every position, an upper bound where only labels or completions are projected.
+The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
+(the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
+position, an upper bound where only labels or completions are projected (SFT's one pass, DPO's tails, GRPO).
 SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp32 with an fp32 copy of a 16-bit
 output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
 262,144 x 640 it is 0.625 GiB, more than the activations of a small batch (bench/vocab_memory.py: Gemma 3 270M, bf16,
@@ -89,8 +89,3 @@ def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, pr
            f"against {room / gib:.2f} GiB ({SHARE:.0%} of the free memory after the weights)")
     return need > room, why
 
-
-def model_vocab(model_dir) -> int:
-    """The vocabulary of the model's config.json."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return config.get("text_config", config)["vocab_size"]
