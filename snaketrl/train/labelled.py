@@ -49,10 +49,12 @@ def one_pass_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_
     if final_logit_softcapping is not None:
         logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)
     log_p = F.log_softmax(logits, dim=-1)
-    loss = F.nll_loss(log_p, labels, reduction="sum")
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == labels).sum().float()
-        entropy = -(log_p.exp() * log_p).sum()
+    del logits  # log_softmax keeps its output, not its input: the label tokens' logits go here
+    loss = F.nll_loss(log_p, labels, reduction="sum")
+    with torch.no_grad():
+        entropy = -log_p.exp().mul_(log_p).sum()  # in place: one vocabulary-sized copy fewer
     count = valid.sum()
     if num_items_in_batch is None:
         return loss / count.clamp(min=1), correct, entropy, count

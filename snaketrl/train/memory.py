@@ -15,6 +15,14 @@ before (34·h per layer with a 4h MLP) came to 0.46 of the peak: it leaves out t
 adapters' inputs. The logits add, per token, the vocabulary in fp32 three times (the log-softmax kept for the
 loss, then its gradient and the logits' at the start of the backward): 12·V bytes, as the same measurement
 found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
+
+The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
+(the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
+position, an upper bound where only labels or completions are projected (SFT's one pass, DPO's tails, GRPO).
+SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp32 with an fp32 copy of a 16-bit
+output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
+262,144 x 640 it is 0.625 GiB, more than the activations of a small batch (bench/vocab_memory.py: Gemma 3 270M, bf16,
+2 rows, measured 1.17 GiB above the start of training, estimated 0.69 without the copy, 1.31 with it).
 """
 
 from __future__ import annotations
@@ -34,17 +42,21 @@ KEPT = {2: (38, 10), 4: (27, 16)}
 LOGITS = 3 * 4  # bytes per token and vocabulary entry
 
 
-def activation_bytes(config: dict, tokens: int, dtype_bytes: int) -> int:
+def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
+                     upcast_head: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
-    (rows x padded length): `config` is the model's config.json."""
+    (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
+    logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
+    projection (SFT's)."""
     text = config.get("text_config", config)
     hidden = text["hidden_size"]
     intermediate = text.get("intermediate_size") or 4 * hidden
     layers = text["num_hidden_layers"]
     per_hidden, per_intermediate = KEPT[4 if dtype_bytes >= 4 else 2]
     per_layer = per_hidden * hidden + per_intermediate * intermediate
-    logits = LOGITS * text["vocab_size"]
-    return int(tokens * (layers * per_layer + logits))
+    logits = LOGITS * text["vocab_size"] * (tokens if projected is None else projected)
+    head = 4 * text["vocab_size"] * hidden if upcast_head and dtype_bytes < 4 else 0
+    return int(tokens * layers * per_layer + logits + head)
 
 
 def weight_bytes(model_dir) -> int:
@@ -64,13 +76,16 @@ def free_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int) -> tuple[bool, str]:
-    """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens would take more than
-    SHARE of the memory left once the weights are loaded (`free`: the device's free bytes before loading)."""
+def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
+                         upcast_head: bool = False) -> tuple[bool, str]:
+    """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected` and
+    `upcast_head` as activation_bytes takes them) would take more than SHARE of the memory left once the weights
+    are loaded (`free`: the device's free bytes before loading)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    need = activation_bytes(config, tokens, dtype_bytes)
+    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head)
     room = SHARE * (free - weight_bytes(model_dir))
     gib = 2 ** 30
     why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "
            f"against {room / gib:.2f} GiB ({SHARE:.0%} of the free memory after the weights)")
     return need > room, why
+

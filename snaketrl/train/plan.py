@@ -112,6 +112,19 @@ def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
     return rows * (max_length + (completion if spec.length_field is None else 0))
 
 
+def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int) -> int:
+    """Positions' worth of logits one training step holds at once (snaketrl.train.memory counts 12 bytes per
+    vocabulary entry for each): none for a classifier's score head; ORPO's one and a half times every position (its
+    NLL term takes a log-softmax of the chosen rows' logits again); every position otherwise. GRPO and RLOO project
+    their completions alone, in chunks where large (snaketrl.train.logps), yet keep the count of every position:
+    on Gemma 3 270M their steps measured 2.2 times what those logits and the layers account for
+    (bench/vocab_memory.py), and an estimate below the peak would leave checkpointing off where it is needed."""
+    if spec.task_type == "SEQ_CLS":
+        return 0
+    every = forward_tokens(spec, fields, max_length)
+    return every * 3 // 2 if trainer == "orpo" else every
+
+
 def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Device, world: int = 1) -> TrainPlan:
     """The plan of one resolved run (snaketrl.config.resolve.resolve_run) on `device`, as one of `world` processes.
     Refuses, before any model loads, what cannot run."""
@@ -160,8 +173,10 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
         notes.append("bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)")
     # TRL turns checkpointing on for every run; where the config leaves it unset, memory decides.
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
-        checkpointing, why = choose_checkpointing(model_dir, forward_tokens(spec, fields, lengths["max_length"]),
-                                                  2 if kwargs["bf16"] else 4, device.free_bytes)
+        checkpointing, why = choose_checkpointing(
+            model_dir, forward_tokens(spec, fields, lengths["max_length"]), 2 if kwargs["bf16"] else 4,
+            device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"]),
+            upcast_head=run["trainer"] == "sft")
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)

@@ -28,6 +28,7 @@ from snaketrl.train.generation import compile_decode, merge_for_generation
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
+from snaketrl.train.logps import chunk_completion_logits
 from snaketrl.train.plan import TrainPlan, detect_device, plan_run
 from snaketrl.trainers import load
 
@@ -204,6 +205,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         for module in (trainer.model, getattr(trainer, "ref_model", None)):  # and a separate reference model
             if module is not None:
                 split_rows(module, args.pad_to_multiple_of)
+    if run["trainer"] in ("grpo", "rloo") and not plan.sharded:  # sharded weights are gathered by module hooks
+        chunk_completion_logits(trainer)  # TRL's path unless a batch's completion logits exceed a chunk
     if plan.unpadded:
         from snaketrl.train.cost import decoder
 
