@@ -25,6 +25,7 @@ from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
 from snaketrl.train.generation import compile_decode, merge_for_generation
+from snaketrl.train.head import contiguous_head
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
@@ -211,6 +212,9 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         from snaketrl.train.cost import decoder
 
         unpad(decoder(trainer.model))
+    for module in (trainer.model, getattr(trainer, "ref_model", None), getattr(trainer, "policy_model", None)):
+        if module is not None:
+            contiguous_head(module)  # the same logits, without a batch-sized copy of the head (snaketrl.train.head)
     if plan.merged_generation:
         merge_for_generation(trainer, run["trainer"])
     if plan.compiled_decode:
