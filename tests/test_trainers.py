@@ -107,13 +107,17 @@ def test_reward_model_loads_as_classifier_and_beats_chance(reward_model_dir):
 
 
 @pytest.mark.parametrize("trainer", sorted(REGISTRY))
-def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, reward_model_dir):
+def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, reward_model_dir, monkeypatch):
+    from snaketrl.train import run
     from snaketrl.train.run import train_run
 
+    given_back = []  # a trainer that samples completions gives its freed memory back (snaketrl.processes)
+    monkeypatch.setattr(run, "give_back_freed_memory", lambda: given_back.append(trainer))
     inputs = prepare(tmp_path, config, tiny_model_dir, trainer)
     if REGISTRY[trainer].value_model:
         inputs["reward_dir"] = reward_model_dir[0]
     train_run(**inputs)
+    assert given_back == ([trainer] if trainer in ("grpo", "rloo", "online_dpo", "ppo") else [])
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     logged = {k for entry in state["log_history"] for k in entry}
     assert EXPECTED[trainer] <= logged, sorted(logged)

@@ -22,6 +22,7 @@ from snaketrl.kill_points import kill_point
 from snaketrl.models import chat_template
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
+from snaketrl.processes import give_back_freed_memory
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
 from snaketrl.train.generation import compile_decode, merge_for_generation
@@ -62,6 +63,8 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     for note in plan.notes:
         log.info("%s: %s", run["name"], note)
     spec, args, entry = plan.spec, plan.args, run["model_entry"]
+    if spec.generates:  # steps of new shapes: a kept heap would fragment and grow (snaketrl.processes)
+        give_back_freed_memory()
 
     # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
     # says which and why); a diverged one stops here, before loading.
