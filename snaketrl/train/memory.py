@@ -88,4 +88,3 @@ def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, pr
     why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "
            f"against {room / gib:.2f} GiB ({SHARE:.0%} of the free memory after the weights)")
     return need > room, why
-
