@@ -91,16 +91,17 @@ def give_back_freed_memory() -> bool:
     """Undo `keep_freed_memory` for the rest of the job, where the job knows its trainer samples completions (GRPO,
     RLOO, online DPO, PPO; snaketrl.train.run): their prompts, caches and completions take new lengths every step,
     so a kept heap cannot reuse its freed blocks, fragments, and grows (config/smollm2.yaml's GRPO jobs: 8.3-13.6
-    GB). glibc's thresholds go back to where its defaults settle (a block above 32 MiB mapped afresh and unmapped
-    at free; the heap's top given back above 64 MiB), and what the heap kept so far goes back (malloc_trim).
-    bench/rl.yaml's GRPO on SmolLM2 (16 completions a step, 1 thread), back to back at load 1 on 2 cores: kept,
-    5.08 GB held from step 2 on at 18.9 CPU-s a step (steps 2-4); given back, 2.7-3.4 GB between steps
-    and 3.6-4.5 GB peaks at 21.4, 13 % more. At load 6-8, kept 5.07 GB held over 6 steps at 22.8; glibc's default 3.2 GB between steps, 4.2-4.3 GB peaks, 27.3; malloc_trim once a step instead, 1.0 GB
-    between steps but peaks of 4.2, 4.9 and 5.2 GB (the heap still fragments within a step) at 27-28.
-    Trimming once a step would cost the other trainers their gain as well: 30 steps of SFT's loss alone (300-1,200
-    tokens, 1 thread) took 1.08 CPU-s a step kept, 1.46 trimmed once a step, 1.42 under glibc's default.
-    SNAKETRL_KEEP_FREED_MEMORY=0 (nothing kept) leaves glibc's default as it is, =1 keeps it all the same (the
-    faster steps, for a job known to level off). True where done, else False."""
+    GB). glibc's thresholds go back to where its defaults settle (a block above 32 MiB mapped afresh and unmapped at
+    free; the heap's top given back above 64 MiB), and what the heap kept so far goes back (malloc_trim).
+    bench/rl.yaml's GRPO on SmolLM2 (16 completions a step, 1 thread), back to back at load 1 on 2 cores: kept, 5.08
+    GB held from step 2 on at 18.9 CPU-s a step (steps 2-4); given back, 2.7-3.4 GB between steps and 3.6-4.5 GB
+    peaks at 21.4, 13 % more. At load 6-8, kept 5.07 GB held over 6 steps at 22.8; glibc's default 3.2 GB between
+    steps, 4.2-4.3 GB peaks, 27.3; malloc_trim once a step instead, 1.0 GB between steps but peaks of 4.2, 4.9 and
+    5.2 GB (the heap still fragments within a step) at 27-28. Trimming once a step would cost the other trainers
+    their gain as well: 30 steps of SFT's loss alone (300-1,200 tokens, 1 thread) took 1.08 CPU-s a step kept, 1.46
+    trimmed once a step, 1.42 under glibc's default. SNAKETRL_KEEP_FREED_MEMORY=0 (nothing kept) leaves glibc's
+    default as it is, =1 keeps it all the same (the faster steps, for a job known to level off). True where done,
+    else False."""
     if os.environ.get("SNAKETRL_KEEP_FREED_MEMORY") in ("0", "1"):
         return False
     try:
