@@ -7,7 +7,7 @@ added rows trained as trainable tokens stay tied through the adapter, the merge 
 import json
 
 import pytest
-from test_attention import assert_same, grads, model_with, sequence_losses
+from test_attention import grads, model_with, sequence_losses
 from test_chat_template import base_dir  # noqa: F401 (a fixture: the tokenizer without ChatML's markers)
 
 WINDOW = 4
@@ -37,14 +37,21 @@ def tiny_gemma(out, vocab_size, window=WINDOW):
     return out
 
 
-def assert_matches(reference, expected, model, got, device):
+def assert_matches(reference, expected, model, got, device, again=None):
     """test_attention's assert_same, with each CPU gradient's tolerance scaled to its largest entry: Gemma's
     embeddings are scaled by sqrt(hidden_size), and entries of 10 differ by 1e-5 in fp32 between two correct
-    paths (measured: 8e-6 at most, eager packed against eager alone)."""
+    paths (measured: 8e-6 at most, eager packed against eager alone). On CUDA (bf16) the tolerance is twice the
+    rounding measured between two correct eager paths, `again` (the reference's losses computed the other way),
+    and at least assert_same's 3 %: Gemma's small query/key norm gradients differ by 3.1 % there (an H200)."""
     import torch
 
     if device != "cpu":
-        return assert_same(reference, expected, model, got, device)
+        floor = max(relative_errors(reference, expected, reference, again).values())
+        for a, b in zip(expected, got):
+            assert b.item() == pytest.approx(a.item(), rel=2e-2)
+        errors = relative_errors(reference, expected, model, got)
+        assert max(errors.values()) < max(3e-2, 2 * floor), (floor, sorted(errors.items(), key=lambda e: -e[1])[:5])
+        return
     for a, b in zip(expected, got):
         assert b.item() == pytest.approx(a.item(), rel=1e-5)
     want, have = grads(reference, expected), grads(model, got)
@@ -52,6 +59,14 @@ def assert_matches(reference, expected, model, got, device):
     for name in want:
         torch.testing.assert_close(have[name], want[name], rtol=1e-4, atol=1e-5 * float(want[name].abs().max()),
                                    msg=name)
+
+
+def relative_errors(reference, expected, model, got):
+    """Each parameter's gradient error relative to the reference's norm, in float32."""
+    want, have = grads(reference, expected), grads(model, got)
+    assert want.keys() == have.keys() and len(have) > 10
+    return {name: ((have[name].float() - want[name].float()).norm() / want[name].float().norm()).item()
+            for name in want}
 
 
 def sequences():
@@ -88,7 +103,7 @@ def test_each_attention_keeps_the_window_packed_and_padded(gemma_dir, attention,
     model = model_with(gemma_dir, attention, device, dtype)
     alone = [sequence_losses(reference, [s], packed=False, device=device)[0] for s in sequences()]
     assert_matches(reference, alone, model, sequence_losses(model, sequences(), packed=packed, device=device),
-                   device)
+                   device, again=sequence_losses(reference, sequences(), packed=packed, device=device))
 
 
 def padded_batch():
@@ -127,7 +142,7 @@ def test_unpadded_varlen_keeps_the_window(gemma_dir, device):
     decoder(flat).embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape)))
     unpad(decoder(flat))
     assert_matches(reference, row_losses(reference, ids, mask, labels), flat, row_losses(flat, ids, mask, labels),
-                   device)
+                   device, again=[sequence_losses(reference, [s], packed=False, device=device)[0] for s in sequences()])
     assert seen == [(1, sum(LENGTHS))]
 
 
