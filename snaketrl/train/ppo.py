@@ -50,8 +50,8 @@ def unsampled_pad(tokenizer, logits: int):
 
 
 def logit_count(model) -> int:
-    """How many ids `model` samples from: its output embeddings' rows."""
-    return model.get_output_embeddings().weight.shape[0]
+    """How many ids `model` samples from: its output projection's features (its weight may be a ZeRO-3 shard)."""
+    return model.get_output_embeddings().out_features
 
 
 def data_state_name(process_index: int) -> str:
