@@ -77,3 +77,21 @@ def test_a_sampled_pad_token_is_scored_as_trls_example_scores_it(tmp_path, confi
     assert ((completions == tokenizer.pad_token_id) & ~ended).any(dim=1).sum() >= 2  # sampled before any eos
     assert scores["snaketrl"] == pytest.approx(scores["trl"], abs=1e-6)
     assert len(scores["trl"]) == 1
+
+
+@pytest.mark.parametrize("logits", [None, 6])
+def test_the_pad_id_lies_at_or_beyond_the_logits(tiny_model_dir, logits):
+    """A vocabulary as long as the logits (the tiny models, SmolLM2) gets the next id; one shorter (Qwen2.5: 151,665
+    tokens, 151,936 logits; here 6 ids more) unused tokens up to the first id no logit samples. The workflow's own
+    tokenizer keeps its pad."""
+    from transformers import AutoTokenizer
+
+    from snaketrl.train.ppo import PAD, unsampled_pad
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    size, pad = len(tokenizer), tokenizer.pad_token_id
+    ppo = unsampled_pad(tokenizer, size + (logits or 0))
+    assert (ppo.pad_token, ppo.pad_token_id, len(ppo)) == (PAD, size + (logits or 0), size + (logits or 0) + 1)
+    assert (tokenizer.pad_token_id, len(tokenizer)) == (pad, size)
+    assert ppo.eos_token_id == tokenizer.eos_token_id
+    assert ppo.decode([5, ppo.pad_token_id], skip_special_tokens=True) == tokenizer.decode([5])
