@@ -369,6 +369,14 @@ def ppo_parts(raw: dict, clock: str = "") -> dict:
             "other": t("step") - rollout - trained + collect}
 
 
+def trl_bf16(job: dict) -> bool:
+    """Whether a plain TRL arm trains in bf16: TRL's default where a GPU supports it (TRL refuses it on a CPU),
+    unless --fp32."""
+    import torch
+
+    return not job.get("fp32") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def plain_trl(job: dict, callbacks: list) -> dict:
     """The user's alternative: TRL's trainer with its defaults, the shared settings and the arm's tuning."""
     import torch
@@ -382,8 +390,7 @@ def plain_trl(job: dict, callbacks: list) -> dict:
     from snaketrl.trainers import REGISTRY, load
 
     run, spec = job["run"], REGISTRY[job["run"]["trainer"]]
-    cuda = torch.cuda.is_available()
-    bf16 = cuda and torch.cuda.is_bf16_supported()  # TRL's default, which it refuses on a CPU
+    bf16 = trl_bf16(job)
     config = load(spec.config)(output_dir=job["work"] + "/out", seed=job["seed"],
                                **{"bf16": bf16, **run["args"], **job["schedule"], **TUNED.get(job["arm"], {})})
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
@@ -410,8 +417,7 @@ def plain_trl_ppo(job: dict, callbacks: list) -> dict:
     from snaketrl.io import read_jsonl
 
     run = job["run"]
-    cuda = torch.cuda.is_available()
-    bf16 = cuda and torch.cuda.is_bf16_supported()  # TRL's default, which it refuses on a CPU
+    bf16 = trl_bf16(job)
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = PPOConfig(output_dir=job["work"] + "/out", seed=job["seed"],
                        **{"bf16": bf16, **run["args"], **job["schedule"], **TUNED.get(job["arm"], {})})
@@ -440,7 +446,8 @@ def snaketrl_job(job: dict, callbacks: list) -> dict:
     if not lengths:
         lengths = work / "lengths.json"
         histogram(job["model_dir"], job["train"], job["settings"], lengths, work / "lengths.png", job["run"]["name"])
-    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **job["schedule"]}}
+    fp32 = {"bf16": False} if job.get("fp32") else {}  # a config may turn bf16 off, never on
+    run = {**job["run"], "seed": job["seed"], "args": {**job["run"]["args"], **job["schedule"], **fp32}}
     metrics = train_run(run, model_dir=job["model_dir"], train_file=job["train"], eval_file=job["eval"],
                         lengths_file=lengths, out_dir=work / "out", checkpoint_dir=work / "ckpt",
                         reward_dir=job.get("reward_dir"), threads=job.get("threads"), callbacks=callbacks)
@@ -675,6 +682,9 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps of every arm")
+    ap.add_argument("--fp32", action="store_true",
+                    help="every arm in fp32 (snaketrl's job also where it would train in bf16): the same numbers, "
+                         "so the same tokens where the arms agree")
     ap.add_argument("--threads", type=int, help="torch threads of every arm (default: torch's, all cores)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/snaketrl-bench-rl"))
     ap.add_argument("--out", type=Path, help="a JSON file: every arm's settings and steps, and the table's numbers")
@@ -725,7 +735,7 @@ def main(argv=None) -> None:
                 job = {"run": run, "arm": arm, "seed": seed, "settings": length_settings(config, run, "auto"),
                        "model_dir": str(model_dir), "schedule": schedule, "threads": opts.threads,
                        "train": str(train), "eval": str(evals), **inputs,
-                       "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
+                       "fp32": opts.fp32, "work": str(opts.work / "runs" / name / f"{arm}-{seed}")}
                 result = measure(job)
                 device = result.get("device", device)
                 print(f"{name} {arm} seed {seed}: {json.dumps(result)}", file=sys.stderr, flush=True)

@@ -5,11 +5,16 @@ checkpoint at each `save_steps` update (policy adapter, optimizer, scheduler, RN
 but not the value model nor where its endless dataloader stands. This subclass adds those two, and on a
 resume loads everything back and lets TRL's own loop run the remaining updates: nothing of the loop is
 copied, so it stays TRL's algorithm.
+
+TRL's loop takes every token equal to the pad id for padding, sampled ones too: a completion is cut at it, scored
+there and masked after it. So the loop gets a pad id no logit samples (`unsampled_pad`), as TRL's example script's
+"[PAD]" beyond the vocabulary; the workflow's own pad (snaketrl.models.tokenizer) is an id of the vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import time
@@ -25,6 +30,28 @@ from trl.experimental.ppo import PPOTrainer as TRLPPOTrainer
 from snaketrl.errors import DataError, SnaketrlError
 
 VALUE_MODEL = "value_model.safetensors"
+PAD = "<|snaketrl_ppo_pad|>"
+
+
+def unsampled_pad(tokenizer, logits: int):
+    """A copy of `tokenizer` whose pad token has an id of `logits` or above (the policy's logits: the ids it can
+    sample), so that no sampled token is taken for padding. TRL's loop replaces pad ids by 0 before every forward,
+    so the id needs no embedding. Where the vocabulary is shorter than the logits (Qwen2.5: 151,665 tokens, 151,936
+    logits), unused tokens fill the ids in between."""
+    tokenizer = copy.deepcopy(tokenizer)
+    fillers = [f"<|snaketrl_ppo_unused_{i}|>" for i in range(logits - len(tokenizer))]
+    if fillers:
+        tokenizer.add_tokens(fillers, special_tokens=True)
+    tokenizer.add_special_tokens({"pad_token": PAD})
+    if tokenizer.pad_token_id < logits:
+        raise SnaketrlError(f"PPO's pad token {PAD} got id {tokenizer.pad_token_id}, one the policy's {logits} "
+                            f"logits can sample")
+    return tokenizer
+
+
+def logit_count(model) -> int:
+    """How many ids `model` samples from: its output projection's features (its weight may be a ZeRO-3 shard)."""
+    return model.get_output_embeddings().out_features
 
 
 def data_state_name(process_index: int) -> str:
@@ -124,8 +151,8 @@ class PPOTrainer(TRLPPOTrainer):
 
     own_loop = True  # TRL's loop, not transformers': snaketrl.train.checkpoints leaves the rest of its resume here
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, processing_class, model, **kwargs):
+        super().__init__(processing_class=unsampled_pad(processing_class, logit_count(model)), model=model, **kwargs)
         # Launched, accelerate wraps TRL's policy-and-value model in DistributedDataParallel, and TRL reaches
         # for `.policy` on the wrapped model (the reference pass, save_model; TRL issue 2375). The wrapper
         # gets the names without registering the modules again (DeepSpeed's engine forwards them itself).
