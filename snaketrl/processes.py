@@ -102,7 +102,7 @@ def give_back_freed_memory() -> bool:
     trimmed once a step, 1.42 under glibc's default. SNAKETRL_KEEP_FREED_MEMORY=0 (nothing kept) leaves glibc's
     default as it is, =1 keeps it all the same (the faster steps, for a job known to level off). Most of those 13 %
     were GRPO's log-prob chunks of 64 MiB mapped afresh each time: chunks of at most 64 positions (12 MiB at SmolLM2's
-    vocabulary; snaketrl.train.logps) come from the heap, 0.2 CPU-s above kept in a trained pass of ~9.5
+    vocabulary; snaketrl.train.logps) come from the heap, 0.1-0.5 CPU-s above kept in a trained pass of ~9.5
     (docs/benchmarks.md). True where done, else False."""
     if os.environ.get("SNAKETRL_KEEP_FREED_MEMORY") in ("0", "1"):
         return False
