@@ -23,7 +23,8 @@ from snaketrl.train.generation import around_generation
 def draw(probs):
     """One index a row of `probs` (rows x entries, non-negative, each row's sum positive and finite), drawn with
     probability entry / row sum, by the inverse CDF on the default generator. An entry of probability 0 is never
-    drawn. Raises as torch.multinomial does on a row of inf, nan or no mass."""
+    drawn. Raises as torch.multinomial does on a row of inf, nan or no mass; a negative entry is not looked for (a
+    softmax gives none) where multinomial's own check would read every entry once more."""
     import torch
 
     cdf = probs.cumsum(-1, dtype=torch.float64)
