@@ -100,8 +100,10 @@ def give_back_freed_memory() -> bool:
     5.2 GB (the heap still fragments within a step) at 27-28. Trimming once a step would cost the other trainers
     their gain as well: 30 steps of SFT's loss alone (300-1,200 tokens, 1 thread) took 1.08 CPU-s a step kept, 1.46
     trimmed once a step, 1.42 under glibc's default. SNAKETRL_KEEP_FREED_MEMORY=0 (nothing kept) leaves glibc's
-    default as it is, =1 keeps it all the same (the faster steps, for a job known to level off). True where done,
-    else False."""
+    default as it is, =1 keeps it all the same (the faster steps, for a job known to level off). Most of those 13 %
+    were GRPO's log-prob chunks of 64 MiB mapped afresh each time: chunks of at most 64 positions (12 MiB at SmolLM2's
+    vocabulary; snaketrl.train.logps) come from the heap, 0.1-0.5 CPU-s above kept in a trained pass of ~9.5
+    (docs/benchmarks.md). True where done, else False."""
     if os.environ.get("SNAKETRL_KEEP_FREED_MEMORY") in ("0", "1"):
         return False
     try:

@@ -114,3 +114,14 @@ def test_a_batch_whose_logits_fit_one_chunk_keeps_trls_path(monkeypatch):
     with torch.no_grad():
         trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), KEEP)
     assert len(calls) == 1
+
+
+def test_a_chunk_holds_at_most_64_positions_and_chunk_bytes_of_logits():
+    """SmolLM2's 49,152 entries: 64 positions, 12 MiB of fp32 logits (below glibc's 32 MiB mmap threshold, so a job
+    that gives freed memory back reuses heap blocks for them); Gemma 3's 262,144: CHUNK_BYTES (64 MiB) of them."""
+    from snaketrl.train.logps import CHUNK_BYTES, chunk_positions
+
+    assert chunk_positions(49152, 4) == 64 and 64 * 49152 * 4 == 12 * 2 ** 20
+    assert chunk_positions(262144, 4) == 64 and chunk_positions(262144, 4) * 262144 * 4 == CHUNK_BYTES
+    assert chunk_positions(262144 * 4, 4) == 16  # a larger vocabulary: the byte cap binds
+    assert chunk_positions(2 ** 40, 4) == 1

@@ -60,15 +60,21 @@ def merged(model):
 
 def merge_for_generation(trainer, trainer_name: str) -> None:
     """Patch a built GRPO, RLOO or online DPO trainer: its generation runs merged (`merged`)."""
+    around_generation(trainer, trainer_name, lambda: merged(trainer.accelerator.unwrap_model(trainer.model_wrapped)))
+
+
+def around_generation(trainer, trainer_name: str, context) -> None:
+    """Patch a built GRPO, RLOO or online DPO trainer: each call of its generation runs within `context()` (a
+    context manager's factory, called anew each time)."""
     name = GENERATES[trainer_name]
     generate = getattr(trainer, name)
 
     @functools.wraps(generate)
-    def generate_merged(*args, **kwargs):
-        with merged(trainer.accelerator.unwrap_model(trainer.model_wrapped)):
+    def generate_within(*args, **kwargs):
+        with context():
             return generate(*args, **kwargs)
 
-    setattr(trainer, name, generate_merged)
+    setattr(trainer, name, generate_within)
 
 
 def static_cache_len(longest_prompt: int, completion: int) -> int:

@@ -26,9 +26,16 @@ import types
 CHUNK_BYTES = 64 * 2 ** 20
 
 
+# And 64 positions at most: at SmolLM2's 49,152 entries a chunk's fp32 logits are then 12 MiB, not 64. A job that
+# gives its freed memory back (snaketrl.processes) maps every block above 32 MiB afresh and a chunk's temporaries
+# then fault in new pages each time: a GRPO trained pass of 16 x 64 completion tokens faulted 550k pages (2.2 GB) at
+# 64 MiB chunks, 5k at 12 MiB (heap blocks reused), 10.1-10.9 against 9.7 CPU-s (docs/benchmarks.md).
+MAX_CHUNK_POSITIONS = 64
+
+
 def chunk_positions(vocab: int, itemsize: int) -> int:
-    """Positions per chunk: CHUNK_BYTES of logits."""
-    return max(1, CHUNK_BYTES // (vocab * itemsize))
+    """Positions per chunk: CHUNK_BYTES of logits, MAX_CHUNK_POSITIONS at most."""
+    return max(1, min(MAX_CHUNK_POSITIONS, CHUNK_BYTES // (vocab * itemsize)))
 
 
 def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, positions: int, autocast):

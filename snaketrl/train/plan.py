@@ -72,6 +72,7 @@ class TrainPlan:
     row_groups: bool  # each batch's rows run in length groups (snaketrl.train.batching)
     unpadded: bool  # varlen layers skip a padded batch's padding (snaketrl.train.attention.unpad)
     merged_generation: bool = False  # generation runs with the LoRA adapter merged (snaketrl.train.generation)
+    inverse_cdf_sampling: bool = False  # generation draws its tokens by the inverse CDF (snaketrl.train.sampling)
     # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
     compiled_decode: int = 0
     notes: tuple[str, ...] = ()
@@ -90,6 +91,7 @@ class TrainPlan:
         return {"device": self.device, "batching": self.choice.get("strategy", "padded"), "row_groups": self.row_groups,
                 "activation_checkpointing": self.checkpointing, "attn_implementation": self.attention or "sdpa",
                 "unpadded": self.unpadded, **({"merged_generation": True} if self.merged_generation else {}),
+                **({"inverse_cdf_sampling": True} if self.inverse_cdf_sampling else {}),
                 **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
 
 
@@ -200,6 +202,9 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     merged, why = merges_for_generation(run, device.name, args, sharded)
     if merged:
         notes.append(f"generation with the LoRA adapter merged: {why}")
+    inverse_cdf, why = samples_by_inverse_cdf(run, device.name, args)
+    if inverse_cdf:
+        notes.append(f"generation draws its tokens by the inverse CDF: {why}")
     compiles, why = compiles_decode(run, device.name, args, sharded,
                                     planned_generations(args, lengths) if run["trainer"] in COMPILES else None)
     cache = cache_positions(lengths, args) if compiles else 0
@@ -209,7 +214,7 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     return TrainPlan(run=run, spec=spec, device=device.name, world=world, batch=batch, max_length=lengths["max_length"],
                      choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
-                     compiled_decode=cache, notes=tuple(notes))
+                     inverse_cdf_sampling=inverse_cdf, compiled_decode=cache, notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
@@ -227,6 +232,18 @@ def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[
         return False, ""
     return True, ("a CPU's decode step skips the adapter's small matmuls (SmolLM2-135M, LoRA r16 on q/k/v/o, one "
                   "thread: 16 completions of 64 tokens in 4-6% less time, merging included)")
+
+
+def samples_by_inverse_cdf(run: dict, device: str, args) -> tuple[bool, str]:
+    """Whether an online trainer's generation draws each token by the inverse CDF (snaketrl.train.sampling) instead
+    of torch.multinomial, and why: the same distribution, other tokens under a seed. On a CPU, where multinomial's
+    exponential per vocabulary entry costs; a GPU keeps TRL's draw until measured there. Off under vLLM (its own
+    sampler) and for a tiny model, whose numbers are measured on TRL's path."""
+    if run["trainer"] not in GENERATES or device != "cpu" or "tiny" in run["model_entry"] \
+            or getattr(args, "use_vllm", False):
+        return False, ""
+    return True, ("the same distribution as torch.multinomial at ~1 ms a decode step against 15-17 ms (16 rows of a "
+                  "49,152-entry vocabulary, one thread; docs/benchmarks.md)")
 
 
 # bench/rl.py --configfile bench/rl-gpu.yaml on an H200 (docs/benchmarks.md, "Online RL on a GPU"): GRPO's first

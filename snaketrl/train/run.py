@@ -32,6 +32,7 @@ from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.logps import chunk_completion_logits
 from snaketrl.train.plan import TrainPlan, detect_device, plan_run
+from snaketrl.train.sampling import sample_by_inverse_cdf
 from snaketrl.trainers import load
 
 log = logging.getLogger("snaketrl.train")
@@ -220,6 +221,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
             contiguous_head(module)  # the same logits, without a batch-sized copy of the head (snaketrl.train.head)
     if plan.merged_generation:
         merge_for_generation(trainer, run["trainer"])
+    if plan.inverse_cdf_sampling:
+        sample_by_inverse_cdf(trainer, run["trainer"])
     if plan.compiled_decode:
         compile_decode(trainer, plan.compiled_decode, plan.device)
     return trainer
