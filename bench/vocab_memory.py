@@ -5,10 +5,13 @@ tiny models' tokenizer (its 1,024 ids; decoding skips the rest): its layers cost
 training step adds to memory is the vocabulary's logits. Each trainer trains through snaketrl's train_run as a
 real model would (not as a tiny one: the one-pass SFT loss and DPO's completion logits apply), in a process of
 its own; its peak resident memory during training (the kernel's VmHWM, reset when training begins) above the
-resident memory then is set against snaketrl.train.memory's estimate for the plan's tokens per forward. A
-watchdog ends a process above --limit-gb.
+resident memory then is set against snaketrl.train.memory's estimate for the plan's tokens per forward; so is the
+last step's alone (VmHWM reset again when it begins), without the first step's one-time allocations (on a CPU
+about 0.14 GiB at this vocabulary: oneDNN's and the allocator's, whatever the batch). A watchdog ends a process
+above --limit-gb. --hh trains the preference trainers on hh-rlhf's long pairs; --trl-logits keeps TRL's logits.
 
     python bench/vocab_memory.py --trainers sft dpo grpo ppo --rows 4 --length 128
+    python bench/vocab_memory.py --trainers dpo kto orpo --rows 2 --length 256 --hh [--trl-logits]
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
 
     start = {}
 
-    widest, step = [0], [0]
+    widest, step, begun = [0], [0], [0]
 
     def count(module, args):  # the policy's training forwards in a step (row groups: several), as estimated
         import torch
@@ -145,6 +148,11 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
 
         def on_step_begin(self, *a, **k):
             step[0] = 0
+            begun[0] += 1
+            if begun[0] == 2:  # the last step alone, without the first one's one-time allocations
+                start["first_peak"] = status("VmHWM")
+                Path("/proc/self/clear_refs").write_text("5")
+                start["last"] = status("VmRSS")
 
     metrics = train_run(run, model_dir=policy, train_file=tmp / "train.jsonl",
                         eval_file=tmp / "eval.jsonl", lengths_file=tmp / "lengths.json", out_dir=tmp / "out",
@@ -171,7 +179,10 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
             "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast,
                                                  chunked),
             "estimate_before": activation_bytes(shape, widest[0], size),
-            "start_rss": start["rss"], "peak": peak, "added": peak - start["rss"],
+            "start_rss": start["rss"], "peak": max(peak, start.get("first_peak", 0)),
+            "added": max(peak, start.get("first_peak", 0)) - start["rss"],
+            # PPO's own loop calls no on_step_begin: its steps are not told apart
+            "added_last": peak - start["last"] if "last" in start else None,
             "labelled": metrics.get("logits_on_labels_only")}
 
 
@@ -207,7 +218,7 @@ def main() -> None:
     build(work / "models")
     gib = 2 ** 30
     print(f"{'trainer':8} {'tokens':>6} {'estimate GiB':>12} {'trained':>7} {'estimate GiB':>12} "
-          f"{'measured GiB':>12} {'ratio':>6}")
+          f"{'measured GiB':>12} {'ratio':>6} {'last step':>9} {'ratio':>6}")
     for trainer in opts.trainers:
         proc = subprocess.run([sys.executable, __file__, "--one", trainer, "--rows", str(opts.rows), "--length",
                                str(opts.length), "--completion", str(opts.completion), "--limit-gb",
@@ -220,9 +231,13 @@ def main() -> None:
             print(f"{trainer:8} failed: {proc.stderr[-1500:]}")
             continue
         r = json.loads(line[7:])
+        last, ratio = "-", "-"
+        if r["added_last"] is not None:
+            last, ratio = f"{r['added_last'] / gib:.3f}", f"{r['estimate_trained'] / max(r['added_last'], 1):.2f}"
         print(f"{trainer:8} {r['tokens']:6d} {r['estimate'] / gib:12.3f} {r['trained_tokens']:7d} "
               f"{r['estimate_trained'] / gib:12.3f} {r['added'] / gib:12.3f} "
-              f"{r['estimate_trained'] / max(r['added'], 1):6.2f}  (before: {r['estimate_before'] / gib:.3f} GiB, "
+              f"{r['estimate_trained'] / max(r['added'], 1):6.2f} {last:>9} {ratio:>6}"
+              f"  (before: {r['estimate_before'] / gib:.3f} GiB, "
               f"{r['estimate_before'] / max(r['added'], 1):.2f}; peak {r['peak'] / gib:.2f}, labelled "
               f"{r['labelled']})", flush=True)
 

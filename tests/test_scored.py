@@ -72,9 +72,7 @@ def test_bounded_logits_give_trls_losses_and_metrics(tmp_path, config, confident
     for bounded in (False, True):
         name = "bounded" if bounded else "trl"
         (tmp_path / name).mkdir()
-        cfg = copy.deepcopy(config)
-        cfg["training"]["eval_strategy"] = "steps"
-        job = prepare(tmp_path / name, cfg, confident_model_dir, trainer)
+        job = prepare(tmp_path / name, copy.deepcopy(config), confident_model_dir, trainer)
         job["run"]["args"].update(eval_strategy="steps", eval_steps=3)
         if real:  # the tiny model's files, as a real model's entry names them: DPO's tails on a CPU
             job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}

@@ -213,8 +213,9 @@ def kto_metrics(trainer, call, inputs) -> None:
     means, chosen = mean_logits(hidden, head), torch.as_tensor(inputs["label"], dtype=torch.bool, device=mask.device)
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     for key, rows in (("logits/chosen", chosen), ("logits/rejected", ~chosen)):
-        if gathered(trainer, mask[rows].sum()) > 0:
-            set_last(metrics, key, gathered(trainer, means[rows][mask[rows]].sum()) / gathered(trainer, mask[rows].sum()))
+        tokens = gathered(trainer, mask[rows].sum())
+        if tokens > 0:
+            set_last(metrics, key, gathered(trainer, means[rows][mask[rows]].sum()) / tokens)
 
 
 def bound_logits(trainer, kind: str) -> bool:
