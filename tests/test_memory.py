@@ -114,6 +114,9 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     layers = 18 * (38 * 640 + 10 * 2048)
     assert activation_bytes(gemma, 4096, 2, projected=0) == 4096 * layers
     assert activation_bytes(gemma, 4096, 2, upcast_head=True) == 4096 * (layers + 12 * 262144) + 4 * 262144 * 640
+    # DPO, KTO and ORPO project 64 positions of Gemma's vocabulary at a time (64 MiB of fp32 logits): four copies
+    assert activation_bytes(gemma, 4096, 2, chunked=True) == 4096 * layers + 16 * 262144 * 64
+    assert activation_bytes(gemma, 4096, 2, projected=40, chunked=True) == 4096 * layers + 16 * 262144 * 40
 
 
 def test_a_chunked_step_measures_the_estimate_of_its_chunks():
