@@ -11,7 +11,9 @@ logits per copy. Here the model's forward stops before its output projection (sn
 they call are replaced by ones that project only the completion positions, in chunks (`token_scores`), and the two
 metrics they read from the logits themselves (the mean logit, DPO's token accuracy) are set again from the same
 chunks (the mean logit by the projection's linearity). ORPO's forward (`concatenated_forward`) is replaced whole.
-Every value TRL's loss computes and logs is the same, and so are the gradients (tests/test_scored.py). A batch
+Every value TRL's loss computes and logs is the same, and so are the gradients (tests/test_scored.py). The price
+is one more projection of the scored positions (the backward pass's): at Gemma 3's 262,144 x 640 in bf16, 256
+positions' projection, log-softmax, entropy and backward took 3.49 CPU-s on one thread, TRL's 2.84. A batch
 whose logits fit in one chunk keeps TRL's path, as does an evaluation that returns the logits, a loss that reads
 them in another way (DPO's `sft` loss type, WPO weighting), a model's auxiliary loss, Liger's fused loss, an output
 projection that is not a plain linear layer (a LoRA-adapted head) and a model whose logits are more than its output
@@ -71,13 +73,18 @@ def token_scores(hidden, head, targets, mask, autocast, extras: bool = True):
 
 def mean_logits(hidden, head):
     """Each position's logits averaged over the vocabulary (TRL's logged `logits/*`), without projecting: the mean
-    of a linear map's outputs is its input times the mean of the weight's rows, plus the bias's mean."""
+    of a linear map's outputs is its input times the mean of the weight's rows, plus the bias's mean. The mean row
+    is kept on the head until its weight changes (a frozen head under LoRA: never; on a CPU it costs 0.5 s at
+    Gemma 3's 262,144 x 640)."""
     import torch
 
     with torch.no_grad():
-        vocab = head.weight.shape[0]
-        mean = head.weight.sum(0, dtype=torch.float32) / vocab
-        out = hidden.detach().float() @ mean
+        version = (head.weight.data_ptr(), head.weight._version)
+        kept = getattr(head, "snaketrl_mean_row", None)
+        if kept is None or kept[0] != version:
+            kept = version, head.weight.sum(0, dtype=torch.float32) / head.weight.shape[0]
+            head.snaketrl_mean_row = kept
+        out = hidden.detach().float() @ kept[1]
         return out + head.bias.float().mean() if head.bias is not None else out
 
 
