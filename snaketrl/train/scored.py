@@ -16,8 +16,9 @@ is one more projection of the scored positions (the backward pass's): at Gemma 3
 positions' projection, log-softmax, entropy and backward took 3.49 CPU-s on one thread, TRL's 2.84. A batch
 whose logits fit in one chunk keeps TRL's path, as does an evaluation that returns the logits, a loss that reads
 them in another way (DPO's `sft` loss type, WPO weighting), a model's auxiliary loss, Liger's fused loss, an output
-projection that is not a plain linear layer (a LoRA-adapted head) and a model whose logits are more than its output
-projection (snaketrl.train.logps.supported).
+projection that is not a plain linear layer (a LoRA-adapted head; peft's wrapper of a head with trained token
+rows, `trainable_token_indices`, as a base model's added ChatML tokens have: not yet supported) and a model whose
+logits are more than its output projection (snaketrl.train.logps.supported).
 """
 
 from __future__ import annotations
