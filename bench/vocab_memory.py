@@ -5,10 +5,13 @@ tiny models' tokenizer (its 1,024 ids; decoding skips the rest): its layers cost
 training step adds to memory is the vocabulary's logits. Each trainer trains through snaketrl's train_run as a
 real model would (not as a tiny one: the one-pass SFT loss and DPO's completion logits apply), in a process of
 its own; its peak resident memory during training (the kernel's VmHWM, reset when training begins) above the
-resident memory then is set against snaketrl.train.memory's estimate for the plan's tokens per forward. A
-watchdog ends a process above --limit-gb.
+resident memory then is set against snaketrl.train.memory's estimate for the plan's tokens per forward; so is the
+last step's alone (VmHWM reset again when it begins), without the first step's one-time allocations (on a CPU
+about 0.14 GiB at this vocabulary: oneDNN's and the allocator's, whatever the batch). A watchdog ends a process
+above --limit-gb. --hh trains the preference trainers on hh-rlhf's long pairs; --trl-logits keeps TRL's logits.
 
     python bench/vocab_memory.py --trainers sft dpo grpo ppo --rows 4 --length 128
+    python bench/vocab_memory.py --trainers dpo kto orpo --rows 2 --length 256 --hh [--trl-logits]
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ VOCAB = 262144
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 1024, "tie_word_embeddings": True}
 DATA = {"language_modeling": "tldr", "preference": "descriptiveness", "prompt": "tldr"}
+# --hh: the preference trainers' pairs from hh-rlhf (harmless-base), whose completions run to hundreds of tokens
+HH = ROOT.parent / "shared/data/hh-rlhf-harmless-base/train.jsonl"
 
 
 def build(out: Path) -> Path:
@@ -74,7 +79,7 @@ def watchdog(limit: int) -> None:
 
 
 def one(trainer: str, rows: int, length: int, completion: int, policy: Path, reward: Path, tmp: Path,
-        args: dict) -> dict:
+        args: dict, hh: bool = False) -> dict:
     """Train `trainer` a few steps in this process; its peak above the resident memory at the start of training."""
     import yaml
     from transformers import AutoTokenizer, TrainerCallback
@@ -83,9 +88,11 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     from snaketrl.data.lengths import tokenize_prompts
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import read_jsonl, write_jsonl
+    from snaketrl.train import logps
     from snaketrl.train.memory import activation_bytes
     from snaketrl.train.plan import forward_tokens, projected_tokens
     from snaketrl.train.run import train_run
+    from snaketrl.train.scored import TRAINERS
     from snaketrl.trainers import REGISTRY
 
     os.chdir(ROOT)
@@ -111,8 +118,10 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     run = resolve_runs(config)[f"m-{trainer}"]
     run["model_entry"] = {k: v for k, v in run["model_entry"].items() if k != "tiny"}  # trained as a real model
     tokenizer = AutoTokenizer.from_pretrained(policy)
-    data = preprocess(read_jsonl(ROOT / f"data/samples/{dataset}.jsonl")[:8 * rows + 8], dataset=dataset,
-                      trainer=trainer, layout=spec.layout, columns={}, split="train").rows
+    hh = hh and spec.layout == "preference"
+    data = preprocess(read_jsonl(HH if hh else ROOT / f"data/samples/{dataset}.jsonl")[:8 * rows + 8],
+                      dataset=dataset, trainer=trainer, layout=spec.layout, columns={}, split="train",
+                      format="hh" if hh else None, bad_rows="drop" if hh else "error").rows
     (tmp / "lengths.json").write_text(json.dumps({"max_length": length}))
     if spec.tokenized:
         data = tokenize_prompts(data, tokenizer, length)
@@ -121,7 +130,7 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
 
     start = {}
 
-    widest, step = [0], [0]
+    widest, step, begun = [0], [0], [0]
 
     def count(module, args):  # the policy's training forwards in a step (row groups: several), as estimated
         import torch
@@ -139,6 +148,11 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
 
         def on_step_begin(self, *a, **k):
             step[0] = 0
+            begun[0] += 1
+            if begun[0] == 2:  # the last step alone, without the first one's one-time allocations
+                start["first_peak"] = status("VmHWM")
+                Path("/proc/self/clear_refs").write_text("5")
+                start["last"] = status("VmRSS")
 
     metrics = train_run(run, model_dir=policy, train_file=tmp / "train.jsonl",
                         eval_file=tmp / "eval.jsonl", lengths_file=tmp / "lengths.json", out_dir=tmp / "out",
@@ -156,13 +170,19 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     size = 2 if native_bf16(cpu=True) else 4  # the plan trains a real model in bf16 where the CPU computes it
     projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
-    return {"trainer": trainer, "tokens": tokens, "estimate": activation_bytes(shape, tokens, size, projected, upcast),
+    chunked = trainer in TRAINERS and logps.CHUNK_BYTES < 2 ** 62  # not under --trl-logits
+    return {"trainer": trainer, "tokens": tokens,
+            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked),
             "trained_tokens": widest[0],
             # positions in proportion to the step's tokens; KTO's KL forward runs without gradient and is left out
             # of the step's tokens
-            "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast),
+            "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast,
+                                                 chunked),
             "estimate_before": activation_bytes(shape, widest[0], size),
-            "start_rss": start["rss"], "peak": peak, "added": peak - start["rss"],
+            "start_rss": start["rss"], "peak": max(peak, start.get("first_peak", 0)),
+            "added": max(peak, start.get("first_peak", 0)) - start["rss"],
+            # PPO's own loop calls no on_step_begin: its steps are not told apart
+            "added_last": peak - start["last"] if "last" in start else None,
             "labelled": metrics.get("logits_on_labels_only")}
 
 
@@ -175,7 +195,9 @@ def main() -> None:
     ap.add_argument("--limit-gb", type=float, default=8.0)
     ap.add_argument("--work", default="/tmp/vocab_memory")
     ap.add_argument("--model", help="a model directory to measure instead (PPO needs its SEQ_CLS copy: left out)")
-    ap.add_argument("--trl-logits", action="store_true", help="GRPO's and RLOO's logits unchunked, as TRL has them")
+    ap.add_argument("--trl-logits", action="store_true",
+                    help="GRPO's, RLOO's, DPO's, KTO's and ORPO's logits unchunked, as TRL has them")
+    ap.add_argument("--hh", action="store_true", help="the preference trainers' pairs from hh-rlhf, not the sample")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     opts = ap.parse_args()
     work = Path(opts.work)
@@ -189,18 +211,19 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory(dir=work) as tmp:
             result = one(opts.one, opts.rows, opts.length, opts.completion, Path(opts.model) if opts.model else
-                         work / "models" / "policy", work / "models" / "reward", Path(tmp), {})
+                         work / "models" / "policy", work / "models" / "reward", Path(tmp), {}, opts.hh)
         print("RESULT " + json.dumps(result), flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
     build(work / "models")
     gib = 2 ** 30
     print(f"{'trainer':8} {'tokens':>6} {'estimate GiB':>12} {'trained':>7} {'estimate GiB':>12} "
-          f"{'measured GiB':>12} {'ratio':>6}")
+          f"{'measured GiB':>12} {'ratio':>6} {'last step':>9} {'ratio':>6}")
     for trainer in opts.trainers:
         proc = subprocess.run([sys.executable, __file__, "--one", trainer, "--rows", str(opts.rows), "--length",
                                str(opts.length), "--completion", str(opts.completion), "--limit-gb",
                                str(opts.limit_gb), "--work", str(work), *(["--trl-logits"] if opts.trl_logits else []),
+                               *(["--hh"] if opts.hh else []),
                                *(["--model", opts.model] if opts.model else [])], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -208,9 +231,13 @@ def main() -> None:
             print(f"{trainer:8} failed: {proc.stderr[-1500:]}")
             continue
         r = json.loads(line[7:])
+        last, ratio = "-", "-"
+        if r["added_last"] is not None:
+            last, ratio = f"{r['added_last'] / gib:.3f}", f"{r['estimate_trained'] / max(r['added_last'], 1):.2f}"
         print(f"{trainer:8} {r['tokens']:6d} {r['estimate'] / gib:12.3f} {r['trained_tokens']:7d} "
               f"{r['estimate_trained'] / gib:12.3f} {r['added'] / gib:12.3f} "
-              f"{r['estimate_trained'] / max(r['added'], 1):6.2f}  (before: {r['estimate_before'] / gib:.3f} GiB, "
+              f"{r['estimate_trained'] / max(r['added'], 1):6.2f} {last:>9} {ratio:>6}"
+              f"  (before: {r['estimate_before'] / gib:.3f} GiB, "
               f"{r['estimate_before'] / max(r['added'], 1):.2f}; peak {r['peak'] / gib:.2f}, labelled "
               f"{r['labelled']})", flush=True)
 

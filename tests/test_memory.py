@@ -114,3 +114,47 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     layers = 18 * (38 * 640 + 10 * 2048)
     assert activation_bytes(gemma, 4096, 2, projected=0) == 4096 * layers
     assert activation_bytes(gemma, 4096, 2, upcast_head=True) == 4096 * (layers + 12 * 262144) + 4 * 262144 * 640
+    # DPO, KTO and ORPO project 64 positions of Gemma's vocabulary at a time (64 MiB of fp32 logits): four copies
+    assert activation_bytes(gemma, 4096, 2, chunked=True) == 4096 * layers + 16 * 262144 * 64
+    assert activation_bytes(gemma, 4096, 2, projected=40, chunked=True) == 4096 * layers + 16 * 262144 * 40
+
+
+def test_a_chunked_step_measures_the_estimate_of_its_chunks():
+    """DPO's, KTO's and ORPO's log-probs in chunks (snaketrl.train.scored): a step of 768 positions holds the logits
+    of a chunk's 256 positions at a time, four fp32 copies of them in its backward pass, as the estimate counts; TRL's
+    path, all positions at once, the same per position."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer.utils import selective_log_softmax
+
+    from snaketrl.train.logps import chunk_positions, without_projection
+    from snaketrl.train.memory import activation_bytes
+    from snaketrl.train.scored import token_scores
+
+    rows, width = 2, 384
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, VOCAB, (rows, width), generator=torch.Generator().manual_seed(1))
+    head = model.get_output_embeddings()
+    measured = {}
+    for chunked in (True, False):
+        with PeakLive(model) as peak:
+            if chunked:
+                with without_projection(head) as autocast:
+                    hidden = model(input_ids=ids, use_cache=False).logits
+                logp, _, _ = token_scores(hidden[:, :-1], head, ids[:, 1:], torch.ones(rows, width - 1, dtype=bool),
+                                          autocast[0])
+            else:
+                logp = selective_log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1], ids[:, 1:])
+            logp.sum().backward()
+        measured[chunked] = peak.peak
+    assert chunk_positions(VOCAB, 4) == 256
+    estimate = activation_bytes(shape, rows * width, 4, chunked=True)
+    assert 0.98 <= estimate / measured[True] < 1.1, (estimate, measured)  # 0.9993 measured
+    assert measured[False] > 2.9 * measured[True]  # every position's logits at once
+    # the unchunked count (12 bytes per entry) for every position is short of TRL's path
+    assert activation_bytes(shape, rows * width, 4) / measured[False] < 0.8

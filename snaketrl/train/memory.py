@@ -18,7 +18,12 @@ found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 
 The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
 (the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
-position, an upper bound where only labels or completions are projected (SFT's one pass, DPO's tails, GRPO).
+position, an upper bound where only labels or completions are projected (SFT's one pass, GRPO). DPO, KTO and
+ORPO (`chunked`) project at most a chunk of positions at a time (snaketrl.train.scored, 64 MiB of fp32 logits), and
+a chunk's backward pass holds four fp32 copies of its logits (its logits, their softmax, its gradient and the
+logits'), so that they count 16·V bytes for at most a chunk's positions: a 65,536-entry vocabulary's step of 768
+positions measured 0.9993 of that estimate, TRL's path for all of them at once 1.33 of the 12·V count
+(tests/test_memory.py).
 SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp32 with an fp32 copy of a 16-bit
 output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
 262,144 x 640 it is 0.625 GiB, more than the activations of a small batch (bench/vocab_memory.py: Gemma 3 270M, bf16,
@@ -40,21 +45,31 @@ SHARE = 0.6
 # (a 4- or 8-bit base computes in 16-bit); measured as the module docstring says.
 KEPT = {2: (38, 10), 4: (27, 16)}
 LOGITS = 3 * 4  # bytes per token and vocabulary entry
+# Bytes per vocabulary entry of each position of a chunk (snaketrl.train.scored): the chunk's backward pass holds its
+# logits, their softmax, its gradient and the logits' gradient at once, in fp32 (measured: tests/test_memory.py).
+CHUNKED_LOGITS = 4 * 4
 
 
 def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
-                     upcast_head: bool = False) -> int:
+                     upcast_head: bool = False, chunked: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
     (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
     logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
-    projection (SFT's)."""
+    projection (SFT's); `chunked`: the trainer projects at most a chunk of positions at once (DPO, KTO, ORPO:
+    snaketrl.train.scored), so that its logits count those positions at most."""
+    from snaketrl.train.logps import chunk_positions
+
     text = config.get("text_config", config)
     hidden = text["hidden_size"]
     intermediate = text.get("intermediate_size") or 4 * hidden
     layers = text["num_hidden_layers"]
     per_hidden, per_intermediate = KEPT[4 if dtype_bytes >= 4 else 2]
     per_layer = per_hidden * hidden + per_intermediate * intermediate
-    logits = LOGITS * text["vocab_size"] * (tokens if projected is None else projected)
+    positions = tokens if projected is None else projected
+    if chunked:
+        logits = CHUNKED_LOGITS * text["vocab_size"] * min(positions, chunk_positions(text["vocab_size"], 4))
+    else:
+        logits = LOGITS * text["vocab_size"] * positions
     head = 4 * text["vocab_size"] * hidden if upcast_head and dtype_bytes < 4 else 0
     return int(tokens * layers * per_layer + logits + head)
 
@@ -77,12 +92,12 @@ def free_bytes(device: str) -> int:
 
 
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
-                         upcast_head: bool = False) -> tuple[bool, str]:
-    """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected` and
-    `upcast_head` as activation_bytes takes them) would take more than SHARE of the memory left once the weights
-    are loaded (`free`: the device's free bytes before loading)."""
+                         upcast_head: bool = False, chunked: bool = False) -> tuple[bool, str]:
+    """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected`,
+    `upcast_head` and `chunked` as activation_bytes takes them) would take more than SHARE of the memory left once
+    the weights are loaded (`free`: the device's free bytes before loading)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head)
+    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked)
     room = SHARE * (free - weight_bytes(model_dir))
     gib = 2 ** 30
     why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "

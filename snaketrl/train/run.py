@@ -31,6 +31,7 @@ from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.logps import chunk_completion_logits
+from snaketrl.train.scored import TRAINERS, bound_logits
 from snaketrl.train.plan import TrainPlan, detect_device, plan_run
 from snaketrl.train.sampling import sample_by_inverse_cdf
 from snaketrl.trainers import load
@@ -202,6 +203,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
     with answering_trl_flash_warnings(plan.attention, run["name"]):
         trainer = trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                               processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks, **extra)
+    if run["trainer"] in TRAINERS and not plan.sharded:  # sharded weights are gathered by module hooks
+        bound_logits(trainer, run["trainer"])  # within DPO's tails (below): TRL's path unless logits exceed a chunk
     if labelled and run["trainer"] == "dpo":
         completion_logits(trainer, row_groups=plan.row_groups)  # the row groups between its two layers
     elif plan.row_groups:
