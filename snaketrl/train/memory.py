@@ -19,10 +19,11 @@ found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
 (the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
 position, an upper bound where only labels or completions are projected (SFT's one pass, GRPO). DPO, KTO and
-ORPO (`chunked`) project at most a chunk of positions at a time (snaketrl.train.scored, 64 MiB of fp32 logits), and
+ORPO (`chunked`) project at most a chunk of positions at a time (snaketrl.train.scored: 64 MiB of fp32 logits, 64
+positions at most), and
 a chunk's backward pass holds four fp32 copies of its logits (its logits, their softmax, its gradient and the
 logits'), so that they count 16·V bytes for at most a chunk's positions: a 65,536-entry vocabulary's step of 768
-positions measured 0.9993 of that estimate, TRL's path for all of them at once 1.33 of the 12·V count
+positions measured 0.997 of that estimate, TRL's path for all of them at once 1.33 of the 12·V count
 (tests/test_memory.py).
 SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp32 with an fp32 copy of a 16-bit
 output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
