@@ -38,6 +38,25 @@ def chunk_positions(vocab: int, itemsize: int) -> int:
     return max(1, min(MAX_CHUNK_POSITIONS, CHUNK_BYTES // (vocab * itemsize)))
 
 
+def exceeds_chunk(positions: int, vocab: int) -> bool:
+    """Whether `positions`' fp32 logits over `vocab` entries are more than one chunk (below it TRL's path stays)."""
+    return positions * vocab * 4 > CHUNK_BYTES
+
+
+def over_chunks(step, hidden, targets, positions: int) -> list:
+    """`step(h, t)` on `positions` rows of `hidden` (N x hidden size) and `targets` (N) at a time, in order: each
+    chunk's outputs. Under autograd each chunk keeps only its hidden states; `step` runs again in the backward pass."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for start in range(0, hidden.shape[0], positions):
+        h, t = hidden[start:start + positions], targets[start:start + positions]
+        grad = torch.is_grad_enabled() and h.requires_grad
+        parts.append(checkpoint(step, h, t, use_reentrant=False) if grad else step(h, t))
+    return parts
+
+
 def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, positions: int, autocast):
     """TRL's per-token log-probs of `targets` (rows x K) and, with `entropy`, their entropies (without gradient),
     from the hidden states (rows x K x hidden) that score them: `project` (the output projection, run under
@@ -45,7 +64,6 @@ def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, p
     the hidden states' dtype (the model's output dtype: accelerate's mixed precision returns fp32). Under autograd
     each chunk keeps only its hidden states; its logits are computed again in the backward pass."""
     import torch
-    from torch.utils.checkpoint import checkpoint
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     rows, keep = targets.shape
@@ -60,14 +78,9 @@ def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, p
             spread = entropy_from_logits(logits) if entropy else None
         return logp, spread
 
-    logps, entropies = [], []
-    for start in range(0, flat.shape[0], positions):
-        h, t = flat[start:start + positions], ids[start:start + positions]
-        grad = torch.is_grad_enabled() and h.requires_grad
-        logp, spread = checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
-        logps.append(logp)
-        entropies.append(spread)
-    return torch.cat(logps).view(rows, keep), torch.cat(entropies).view(rows, keep) if entropy else None
+    parts = over_chunks(chunk, flat, ids, positions)
+    logps = torch.cat([p[0] for p in parts]).view(rows, keep)
+    return logps, torch.cat([p[1] for p in parts]).view(rows, keep) if entropy else None
 
 
 @contextlib.contextmanager
@@ -125,7 +138,7 @@ def chunk_completion_logits(trainer) -> None:
         batch_size = min(batch_size or input_ids.size(0), input_ids.size(0))
         if (head is None or compute_aux_loss or any(v is not None for v in images.values())
                 or (compute_entropy and getattr(self, "_entropy_bonus_enabled", False))
-                or batch_size * (logits_to_keep + 1) * head.weight.shape[0] * 4 <= CHUNK_BYTES):
+                or not exceeds_chunk(batch_size * (logits_to_keep + 1), head.weight.shape[0])):
             return trl_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                              compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **images)
         positions = chunk_positions(head.weight.shape[0], 4)  # fp32 logits at most

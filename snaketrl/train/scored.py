@@ -37,7 +37,6 @@ def token_scores(hidden, head, targets, mask, autocast, extras: bool = True):
     log-softmax run on CHUNK_BYTES of logits at a time; under autograd each chunk keeps its hidden states only."""
     import torch
     import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     from snaketrl.train import logps
@@ -55,11 +54,7 @@ def token_scores(hidden, head, targets, mask, autocast, extras: bool = True):
         with torch.no_grad():  # after the log-probs: the backward pass's recomputation stops before them
             return logp, entropy_from_logits(logits), logits.argmax(dim=-1)
 
-    parts = []
-    for start in range(0, flat.shape[0], positions):
-        h, t = flat[start:start + positions], ids[start:start + positions]
-        grad = torch.is_grad_enabled() and h.requires_grad
-        parts.append(checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t))
+    parts = logps.over_chunks(chunk, flat, ids, positions)
     logp = hidden.new_zeros(mask.shape).masked_scatter(mask, torch.cat([p[0] for p in parts]) if parts
                                                        else hidden.new_zeros(0))
     if not extras:
@@ -113,7 +108,7 @@ def too_large(ids, head) -> bool:
     """Whether a batch of `ids` (rows x positions) has more fp32 logits than one chunk."""
     from snaketrl.train import logps
 
-    return ids.numel() * head.weight.shape[0] * 4 > logps.CHUNK_BYTES
+    return logps.exceeds_chunk(ids.numel(), head.weight.shape[0])
 
 
 class _Call:
