@@ -94,3 +94,28 @@ def test_bounded_logits_give_trls_losses_and_metrics(tmp_path, config, confident
         assert {k: v for k, v in ours.items() if k != "step"} == pytest.approx(
             {k: v for k, v in trls.items() if k != "step"}, rel=1e-5, abs=1e-6), trainer
     assert evals["bounded"] == pytest.approx(evals["trl"], rel=1e-5)
+
+
+def test_the_plan_counts_a_chunk_only_where_the_logits_will_be_chunked(tmp_path):
+    """The memory estimate counts one chunk's logits only for a run bound_logits will chunk: where it keeps TRL's
+    path (Liger, DPO's sft loss or weighting, a trained output projection: LoRA on it, or the rows a chat template
+    added), every position's logits are held at once and an estimate of one chunk would leave checkpointing off."""
+    from types import SimpleNamespace
+
+    from snaketrl.models.chat_template import RECORD_FILE
+    from snaketrl.train.scored import plans_chunks
+
+    def args(**kw):
+        return SimpleNamespace(**{"use_liger_kernel": False, "loss_type": ["sigmoid"], "use_weighting": False, **kw})
+
+    lora = {"target_modules": ["q_proj", "v_proj"]}
+    assert [plans_chunks(t, args(), lora, tmp_path) for t in ("dpo", "kto", "orpo", "sft", "grpo")] == [
+        True, True, True, False, False]
+    assert not plans_chunks("dpo", args(loss_type=["sigmoid", "sft"]), lora, tmp_path)
+    assert not plans_chunks("dpo", args(loss_type="sft"), lora, tmp_path)
+    assert not plans_chunks("dpo", args(use_weighting=True), lora, tmp_path)
+    assert not plans_chunks("kto", args(use_liger_kernel=True), lora, tmp_path)
+    assert not plans_chunks("orpo", args(), {"target_modules": ["q_proj", "lm_head"]}, tmp_path)
+    assert not plans_chunks("orpo", args(), {**lora, "modules_to_save": ["lm_head"]}, tmp_path)
+    (tmp_path / RECORD_FILE).write_text(json.dumps({"added_tokens": {"<|im_start|>": 256, "<|im_end|>": 257}}))
+    assert not plans_chunks("dpo", args(), lora, tmp_path)

@@ -19,9 +19,9 @@ found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
 (the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
 position, an upper bound where only labels or completions are projected (SFT's one pass, GRPO). DPO, KTO and
-ORPO (`chunked`) project at most a chunk of positions at a time (snaketrl.train.scored: 64 MiB of fp32 logits, 64
-positions at most), and
-a chunk's backward pass holds four fp32 copies of its logits (its logits, their softmax, its gradient and the
+ORPO (`chunked`, where the plan sees their logits will be chunked: snaketrl.train.scored.plans_chunks) project at
+most a chunk of positions at a time (snaketrl.train.scored: 64 MiB of fp32 logits, 64 positions at most), and a
+chunk's backward pass holds four fp32 copies of its logits (its logits, their softmax, its gradient and the
 logits'), so that they count 16·V bytes for at most a chunk's positions: a 65,536-entry vocabulary's step of 768
 positions measured 0.997 of that estimate, TRL's path for all of them at once 1.33 of the 12·V count
 (tests/test_memory.py).

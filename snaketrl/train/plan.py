@@ -29,7 +29,7 @@ from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
 from snaketrl.train.memory import choose_checkpointing
-from snaketrl.train.scored import TRAINERS
+from snaketrl.train.scored import plans_chunks
 from snaketrl.trainers import REGISTRY, Trainer, load
 
 log = logging.getLogger("snaketrl.train")
@@ -180,7 +180,8 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
             model_dir, forward_tokens(spec, fields, lengths["max_length"]), 2 if kwargs["bf16"] else 4,
             device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"]),
             upcast_head=run["trainer"] == "sft",
-            chunked=run["trainer"] in TRAINERS and not (run["distributed"] in SHARDED and world > 1))
+            chunked=plans_chunks(run["trainer"], fields, run["lora"], model_dir)
+            and not (run["distributed"] in SHARDED and world > 1))
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)

@@ -104,6 +104,23 @@ def heads(trainer) -> list:
     return found
 
 
+def plans_chunks(trainer: str, args, lora: dict, model_dir) -> bool:
+    """Whether a run's logits can be chunked (`bound_logits`), as far as its plan sees before any model loads: DPO,
+    KTO or ORPO, without Liger, not DPO's `sft` loss or weighting, and an output projection that stays a plain linear
+    layer (no LoRA or modules_to_save on it, no rows a chat template added: peft would wrap it). The memory estimate
+    counts a chunk's logits only then: where bound_logits declines, every position's logits are held at once."""
+    from snaketrl.models.chat_template import read_record
+
+    if trainer not in TRAINERS or getattr(args, "use_liger_kernel", False):
+        return False
+    if trainer == "dpo":
+        losses = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]  # or TRL's default
+        if "sft" in losses or args.use_weighting:
+            return False
+    trained = set(lora.get("target_modules") or []) | set(lora.get("modules_to_save") or [])
+    return "lm_head" not in trained and not (read_record(model_dir) or {}).get("added_tokens")
+
+
 def too_large(ids, head) -> bool:
     """Whether a batch of `ids` (rows x positions) has more fp32 logits than one chunk."""
     from snaketrl.train import logps
