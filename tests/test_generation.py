@@ -242,7 +242,31 @@ def test_the_plan_compiles_the_decode_on_a_gpu_for_a_real_model(tmp_path, config
                                                  "back (~8 steps do): on an H200")]
 
 
-@pytest.mark.parametrize("change", [{"device": "cpu"}, {"trainer": "ppo"}, {"trainer": "online_dpo"},
+def test_the_plan_compiles_ppos_decode_on_a_gpu_from_its_updates(tmp_path, config, tiny_model_dir):
+    """PPO's generation rounds are its updates (TRL's num_total_batches: total_episodes over the rollout batch, or
+    its epochs over the prompts): 8 updates of a real model on CUDA compile the policy's decode on a static cache of
+    the longest prompt plus response_length (150 + 8, in 64s: 192); 7 do not pay it back."""
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import planned_generations
+
+    args = {**PER_TRAINER["ppo"], "per_device_train_batch_size": 4, "total_episodes": 32}
+    job, tiny = plan_of(tmp_path / "tiny", config, tiny_model_dir, "ppo", cuda(), lengths=LENGTHS, args=args)
+    assert tiny.compiled_decode == 0
+    real = {"model_entry": {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}}
+    _, plan = plan_of(tmp_path / "real", config, tiny_model_dir, "ppo", cuda(), lengths=LENGTHS, args=args, run=real)
+    assert plan.compiled_decode == 192 and plan.report()["compiled_decode"] == {"max_cache_len": 192}
+    assert [n for n in plan.notes if n.startswith("decode compiled on a static cache of 192 positions: 8 generation "
+                                                  "rounds pay its compile back (~8 steps do): on an H200, PPO")]
+    _, few = plan_of(tmp_path / "few", config, tiny_model_dir, "ppo", cuda(), lengths=LENGTHS,
+                     args={**args, "total_episodes": 28}, run=real)
+    assert few.compiled_decode == 0 and [n for n in few.notes if n.startswith("decode eager: 7 generation rounds")]
+    epochs = SimpleNamespace(**{**vars(few.args), "total_episodes": None, "num_train_epochs": 3})
+    assert planned_generations(epochs, {"n_examples": 20}, world=2) == 8  # 60 episodes, 8 a rollout
+    assert planned_generations(epochs, {}) is None
+
+
+@pytest.mark.parametrize("change", [{"device": "cpu"}, {"trainer": "online_dpo"},
                                     {"trainer": "sft"}, {"model_entry": {"quantization": "4bit"}},
                                     {"model_entry": {"tiny": {}}}, {"lora": {"lora_dropout": 0.05}},
                                     {"sharded": True}, {"use_vllm": True},
@@ -349,8 +373,10 @@ def test_compiled_decode_gives_trls_tokens_without_a_graph_break_and_counts_the_
     assert again == eager and again_flops == eager_flops and counters["stats"]["unique_graphs"] == 1
 
 
-def compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch, args, real=False):
-    """train_run of a GRPO run (`real`: its model entry without `tiny`, as a real model's) with its plan's decode;
+def compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch, args, real=False, trainer_name="grpo",
+                       reward_dir=None):
+    """train_run of a GRPO run, or another `trainer_name`'s (PPO's with its `reward_dir`; `real`: its model entry
+    without `tiny`, as a real model's) with its plan's decode;
     the trainers compile_decode built recorded (with dynamo's aot_eager backend off CUDA: inductor's C++ kernels
     take minutes on a busy 2-core machine)."""
     import snaketrl.train.run as run_module
@@ -362,14 +388,60 @@ def compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch, args, real
     def recorded(trainer, max_cache_len, device):
         compile_decode(trainer, max_cache_len, device)
         if device != "cuda":
-            trainer.generation_config.compile_config.backend = "aot_eager"
+            generation_config(trainer).compile_config.backend = "aot_eager"
         compiled.append(trainer)
 
     monkeypatch.setattr(run_module, "compile_decode", recorded)
-    inputs = prepare(tmp_path, config, tiny_model_dir, "grpo", args=args)
+    inputs = prepare(tmp_path, config, tiny_model_dir, trainer_name, args=args)
+    if reward_dir:
+        inputs["reward_dir"] = reward_dir
     if real:
         inputs["run"]["model_entry"] = {k: v for k, v in inputs["run"]["model_entry"].items() if k != "tiny"}
     return train_run(**inputs), inputs["out_dir"], compiled
+
+
+def generation_config(trainer):
+    """The generation config a trainer's decode reads: GRPO's own, PPO's policy's (TRL's loop builds one per call
+    over it)."""
+    return trainer.policy_model.generation_config if hasattr(trainer, "policy_model") else trainer.generation_config
+
+
+def test_a_planned_compiled_decode_trains_ppo_as_trls_eager_one(tmp_path, config, tiny_model_dir, monkeypatch):
+    """Two PPO updates through train_run, TRL's eager decode against the compiled one (forced on a CPU): the policy's
+    generation config on the plan's static cache, compiled without graph breaks; the same logged objective (the
+    same completions and updates)."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    import snaketrl.train.run as run_module
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)  # an untrained score head, the same for both runs: PPO's reward and value model
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm")
+    args = {**PER_TRAINER["ppo"], "per_device_train_batch_size": 4, "total_episodes": 8}
+    (tmp_path / "eager").mkdir()
+    (tmp_path / "compiled").mkdir()
+    eager, eager_out, none = compiled_train_run(tmp_path / "eager", config, tiny_model_dir, monkeypatch, args,
+                                                trainer_name="ppo", reward_dir=tmp_path / "rm")
+    assert none == [] and "compiled_decode" not in eager
+    plan_run = run_module.plan_run
+    monkeypatch.setattr(run_module, "plan_run", lambda *a, **k: dataclasses.replace(plan_run(*a, **k),
+                                                                                  compiled_decode=64))
+    counters.clear()
+    metrics, out, [trainer] = compiled_train_run(tmp_path / "compiled", config, tiny_model_dir, monkeypatch, args,
+                                                 trainer_name="ppo", reward_dir=tmp_path / "rm")
+    config_ = generation_config(trainer)
+    assert (config_.cache_implementation, config_.max_cache_len, config_.disable_compile) == ("static", 64, False)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["stats"])
+    assert metrics["compiled_decode"] == {"max_cache_len": 64}
+    states = [json.loads((o / "trainer_state.json").read_text()) for o in (eager_out, out)]
+    for key in ("objective/rlhf_reward", "objective/kl", "loss/policy_avg", "loss/value_avg"):
+        plain = learning.logged(states[0], key)
+        assert len(plain) == 2 and learning.logged(states[1], key) == pytest.approx(plain, rel=1e-4, abs=1e-6), key
 
 
 def test_a_planned_compiled_decode_trains_as_trls_eager_one(tmp_path, config, tiny_model_dir, monkeypatch):
@@ -429,6 +501,31 @@ def test_a_grpo_job_on_a_gpu_compiles_its_decode_as_planned_and_trains(tmp_path,
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 8 and len(learning.logged(state, "loss")) == 8
     assert metrics["flops"] > 0 and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.cuda
+def test_a_ppo_job_on_a_gpu_compiles_its_decode_as_planned_and_trains(tmp_path, config, tiny_model_dir, monkeypatch):
+    """On CUDA, 8 updates of a PPO run whose model is not a tiny one: the plan compiles the policy's decode
+    (inductor, CUDA graphs) and the job trains its 8 updates with it, without a graph break."""
+    import json
+
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm")
+    counters.clear()
+    metrics, out, [trainer] = compiled_train_run(
+        tmp_path, config, tiny_model_dir, monkeypatch,
+        {**PER_TRAINER["ppo"], "per_device_train_batch_size": 4, "total_episodes": 32}, real=True,
+        trainer_name="ppo", reward_dir=tmp_path / "rm")
+    assert metrics["compiled_decode"] == {"max_cache_len": generation_config(trainer).max_cache_len}
+    assert generation_config(trainer).compile_config.backend == "inductor"
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["stats"])
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and len(learning.logged(state, "objective/rlhf_reward")) == 8
 
 
 def test_merged_generation_composes_with_a_compiled_decode(tiny_model_dir):
