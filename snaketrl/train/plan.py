@@ -75,6 +75,7 @@ class TrainPlan:
     merged_generation: bool = False  # generation runs with the LoRA adapter merged (snaketrl.train.generation)
     inverse_cdf_sampling: bool = False  # generation draws its tokens by the inverse CDF (snaketrl.train.sampling)
     packed_generation: bool = False  # generation's bf16 linear layers run on prepacked weights (snaketrl.train.packed)
+    deduped_prefill: bool = False  # generation prefills each distinct prompt once (snaketrl.train.prefill)
     # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
     compiled_decode: int = 0
     notes: tuple[str, ...] = ()
@@ -95,6 +96,7 @@ class TrainPlan:
                 "unpadded": self.unpadded, **({"merged_generation": True} if self.merged_generation else {}),
                 **({"inverse_cdf_sampling": True} if self.inverse_cdf_sampling else {}),
                 **({"packed_generation": True} if self.packed_generation else {}),
+                **({"deduped_prefill": True} if self.deduped_prefill else {}),
                 **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
 
 
@@ -213,6 +215,9 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     packs, why = packs_for_generation(run, device.name, args, sharded, device.bf16_units)
     if packs:
         notes.append(f"generation's bf16 linear layers on prepacked weights: {why}")
+    dedupes, why = dedupes_prefill(run, device.name, args, sharded)
+    if dedupes:
+        notes.append(f"generation prefills each distinct prompt once: {why}")
     compiles, why = compiles_decode(run, device.name, args, sharded,
                                     planned_generations(args, lengths) if run["trainer"] in COMPILES else None)
     cache = cache_positions(lengths, args) if compiles else 0
@@ -222,8 +227,8 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     return TrainPlan(run=run, spec=spec, device=device.name, world=world, batch=batch, max_length=lengths["max_length"],
                      choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
-                     inverse_cdf_sampling=inverse_cdf, packed_generation=packs, compiled_decode=cache,
-                     notes=tuple(notes))
+                     inverse_cdf_sampling=inverse_cdf, packed_generation=packs, deduped_prefill=dedupes,
+                     compiled_decode=cache, notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
@@ -268,6 +273,20 @@ def packs_for_generation(run: dict, device: str, args, sharded: bool, bf16_units
         return False, ""
     return True, ("oneDNN otherwise reorders each bf16 weight on every call: SmolLM2-135M's decode step on one EPYC "
                   "thread 27 ms against 47 ms for its layers, 6.9 against 11.5 ms for its head (docs/benchmarks.md)")
+
+
+def dedupes_prefill(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
+    """Whether a GRPO or RLOO run's generation prefills each distinct prompt once (snaketrl.train.prefill), and why:
+    the same logits and cache, bit for bit, on 1 / num_generations of the rows. On a CPU, where the prefill's
+    matmuls are compute-bound; a GPU keeps transformers' prefill until measured there. Off under vLLM and TRL's
+    continuous batching (their own prefill), FSDP or ZeRO-3 (gathered weights), with one generation a prompt (no
+    repeated rows) and for a tiny model, whose numbers are measured on TRL's path."""
+    if run["trainer"] not in COMPILES or device != "cpu" or "tiny" in run["model_entry"] or sharded \
+            or getattr(args, "num_generations", 1) < 2 or getattr(args, "use_vllm", False) \
+            or getattr(args, "use_transformers_continuous_batching", False):
+        return False, ""
+    return True, (f"its {args.num_generations} completions of a prompt share one prefill: SmolLM2-135M's generation "
+                  f"of 16 completions of 4 prompts on one EPYC thread took 0.6-1.1 CPU-s less (docs/benchmarks.md)")
 
 
 # bench/rl.py --configfile bench/rl-gpu.yaml on an H200 (docs/benchmarks.md, "Online RL on a GPU"): GRPO's first
