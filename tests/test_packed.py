@@ -4,7 +4,7 @@ rule."""
 
 import pytest
 
-from test_generation import GIB, grpo_trainer, prompts
+from test_generation import GIB, grpo_trainer, lora_model, prompts
 from test_plan import plan_of
 
 
@@ -18,21 +18,15 @@ needs_bf16 = pytest.mark.skipif("not onednn_bf16()", reason="oneDNN without bf16
 
 
 def bf16_lora_model(tiny_model_dir):
-    """The tiny model's weights in bf16 with a trained-looking LoRA adapter (peft keeps it in fp32), as a CPU job
-    with bf16 units loads a real model."""
+    """The tiny model with its trained-looking LoRA adapter, its base weights in bf16 and the adapter's in fp32 (as
+    peft keeps them), as a CPU job with bf16 units loads a real model."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    torch.manual_seed(0)
+    model, tokenizer = lora_model(tiny_model_dir)
     for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.1)
-    return model.train(), tokenizer
+        if "lora_" not in name:
+            param.data = param.data.to(torch.bfloat16)
+    return model, tokenizer
 
 
 def counted_products(monkeypatch) -> list:
