@@ -9,9 +9,9 @@ same logits and tokens bit for bit, tests/test_prefill.py), on a quarter of the 
 thread, 16 prompts of ~52 tokens, bf16) the prefill took ~1 CPU-s of a ~7 CPU-s generation.
 
 Only where it is plainly the same computation: the first iteration of a plain generation with an empty dynamic
-cache (transformers' DynamicCache of full or sliding-window layers: keys and values alone), from token ids, with no chunked prefill; otherwise
-transformers' own prefill. Applied by snaketrl.train.run.build_trainer where the plan says
-(snaketrl.train.plan.dedupes_prefill).
+cache (transformers' DynamicCache of full or sliding-window layers: keys and values alone), from token ids, with
+no chunked prefill; otherwise transformers' own prefill. Applied by snaketrl.train.run.build_trainer where the plan
+says (snaketrl.train.plan.dedupes_prefill).
 """
 
 from __future__ import annotations
