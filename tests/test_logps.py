@@ -125,3 +125,36 @@ def test_a_chunk_holds_at_most_64_positions_and_chunk_bytes_of_logits():
     assert chunk_positions(262144, 4) == 64 and chunk_positions(262144, 4) * 262144 * 4 == CHUNK_BYTES
     assert chunk_positions(262144 * 4, 4) == 16  # a larger vocabulary: the byte cap binds
     assert chunk_positions(2 ** 40, 4) == 1
+
+
+def test_chunks_keep_their_logits_below_kept_logits_bytes_and_recompute_them_above(monkeypatch):
+    """GRPO's trained pass over 4 chunks (80 completion positions in chunks of 24): below KEPT_LOGITS_BYTES the head
+    projects each chunk once (forward) and its logits serve the backward pass; above it, twice (the backward
+    recomputes them). The log-probs and the adapter's gradients the same in both, bit for bit."""
+    import torch
+    import trl
+
+    from snaketrl.train import logps
+
+    monkeypatch.setattr(logps, "CHUNK_BYTES", 24 * VOCAB * 4)
+    ids = torch.randint(0, VOCAB, (ROWS, PROMPT + KEEP), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(ROWS, KEEP, generator=torch.Generator().manual_seed(2))
+    assert not logps.keeps_too_much(ROWS * KEEP, VOCAB)  # 2.5 MiB of logits, within 256 MiB
+    assert logps.keeps_too_much(16 * 64, 262144) and not logps.keeps_too_much(16 * 64, 49152)
+    results = {}
+    for kept in (logps.KEPT_LOGITS_BYTES, ROWS * KEEP * VOCAB * 4 - 1):
+        monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", kept)
+        model = lora_model()
+        trainer = fake_trainer(trl.GRPOTrainer, model)
+        logps.chunk_completion_logits(trainer)
+        head, projected = model.get_output_embeddings(), []
+        own = head.forward
+        head.forward = lambda h: projected.append(h.shape[0]) or own(h)
+        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), KEEP)
+        (lp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[kept] = lp.detach(), grads, projected
+    (lp, grads, once), (lp2, grads2, twice) = results.values()
+    assert once == [24, 24, 24, 8] and sorted(twice) == sorted(once * 2)
+    assert torch.equal(lp, lp2) and len(grads) == 8
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)

@@ -82,8 +82,9 @@ FIRST = {
                         "<|im_start|>assistant\nmisty, delicate window.<|im_end|>\n",
                SYSTEM + "<|im_start|>user\nShe walked into the room and saw a<|im_end|>\n"
                         "<|im_start|>assistant\nwindow.<|im_end|>\n"],
+    # once for its 2 generations: the plan prefills each distinct prompt once (snaketrl.train.prefill)
     "grpo": [SYSTEM + "<|im_start|>user\nSam has 3 apples and gets 4 more. How many apples does Sam have now?"
-                      "<|im_end|>\n<|im_start|>assistant\n"] * 2,
+                      "<|im_end|>\n<|im_start|>assistant\n"],
     "ppo": [SYSTEM + "<|im_start|>user\nThrough the window they noticed a<|im_end|>\n<|im_start|>assistant\n"],
 }
 # The tokens after the system turn, of the first row: user turn, content, the assistant header.

@@ -5,8 +5,9 @@ at once (transformers' logits_to_keep spares the prompt), divides the logits by 
 keeps that copy for the backward pass, whose gradients are as large again: at Gemma 3's 262,144 entries, 16
 completions of 32 tokens hold 0.55 GB per copy in fp32. Here the model's forward stops before its output
 projection, and the projection, TRL's log-softmax (`selective_log_softmax`) and logged entropy run on at most
-CHUNK_BYTES of logits at a time; the training forward recomputes each chunk's logits in the backward pass
-(activation checkpointing of the chunk), one more projection of the completion tokens. A call whose logits fit
+CHUNK_BYTES of logits at a time. Where a call's completion logits are more than KEPT_LOGITS_BYTES in all, the training forward
+recomputes each chunk's logits in the backward pass (activation checkpointing of the chunk), one more projection of
+the completion tokens; below it each chunk keeps its logits for the backward pass instead. A call whose logits fit
 in one chunk keeps TRL's own path unchanged, as does one with images, a mixture of experts' auxiliary loss, a
 differentiable entropy bonus, or a model whose forward changes its logits after the projection (softcapping,
 a logit scale) or that takes no logits_to_keep.
@@ -32,6 +33,14 @@ CHUNK_BYTES = 64 * 2 ** 20
 # 64 MiB chunks, 5k at 12 MiB (heap blocks reused), 10.1-10.9 against 9.7 CPU-s (docs/benchmarks.md).
 MAX_CHUNK_POSITIONS = 64
 
+# A call's completion logits kept for the backward pass, all chunks together, at most: above it each chunk's logits
+# are recomputed there. A chunk keeps its fp32 logits (what the log-softmax's backward reads), so a GRPO batch of
+# 16 x 64 completion tokens at SmolLM2's 49,152 entries keeps 192 MiB and skips a second projection of its 1,024
+# positions onto the vocabulary (0.4-0.5 CPU-s of a ~9 CPU-s trained pass on one EPYC thread: docs/benchmarks.md).
+# Gemma 3's 262,144 entries reach it at 256 positions: larger batches recompute. The memory estimate
+# (snaketrl.train.memory) counts GRPO's logits at every position of the batch, more than this keeps.
+KEPT_LOGITS_BYTES = 256 * 2 ** 20
+
 
 def chunk_positions(vocab: int, itemsize: int) -> int:
     """Positions per chunk: CHUNK_BYTES of logits, MAX_CHUNK_POSITIONS at most."""
@@ -43,21 +52,28 @@ def exceeds_chunk(positions: int, vocab: int) -> bool:
     return positions * vocab * 4 > CHUNK_BYTES
 
 
-def over_chunks(step, hidden, targets, positions: int) -> list:
+def keeps_too_much(positions: int, vocab: int) -> bool:
+    """Whether `positions`' fp32 logits over `vocab` entries are more than KEPT_LOGITS_BYTES (then recomputed)."""
+    return positions * vocab * 4 > KEPT_LOGITS_BYTES
+
+
+def over_chunks(step, hidden, targets, positions: int, recompute: bool = True) -> list:
     """`step(h, t)` on `positions` rows of `hidden` (N x hidden size) and `targets` (N) at a time, in order: each
-    chunk's outputs. Under autograd each chunk keeps only its hidden states; `step` runs again in the backward pass."""
+    chunk's outputs. Under autograd with `recompute` each chunk keeps only its hidden states and `step` runs again in
+    the backward pass; without, each chunk keeps what its backward reads."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     parts = []
     for start in range(0, hidden.shape[0], positions):
         h, t = hidden[start:start + positions], targets[start:start + positions]
-        grad = torch.is_grad_enabled() and h.requires_grad
+        grad = recompute and torch.is_grad_enabled() and h.requires_grad
         parts.append(checkpoint(step, h, t, use_reentrant=False) if grad else step(h, t))
     return parts
 
 
-def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, positions: int, autocast):
+def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, positions: int, autocast,
+                  recompute: bool = True):
     """TRL's per-token log-probs of `targets` (rows x K) and, with `entropy`, their entropies (without gradient),
     from the hidden states (rows x K x hidden) that score them: `project` (the output projection, run under
     `autocast` as in the model's forward) and TRL's log-softmax run on `positions` of them at a time, on logits of
@@ -78,7 +94,7 @@ def chunked_logps(hidden, project, targets, temperature: float, entropy: bool, p
             spread = entropy_from_logits(logits) if entropy else None
         return logp, spread
 
-    parts = over_chunks(chunk, flat, ids, positions)
+    parts = over_chunks(chunk, flat, ids, positions, recompute)
     logps = torch.cat([p[0] for p in parts]).view(rows, keep)
     return logps, torch.cat([p[1] for p in parts]).view(rows, keep) if entropy else None
 
@@ -142,6 +158,7 @@ def chunk_completion_logits(trainer) -> None:
             return trl_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                              compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **images)
         positions = chunk_positions(head.weight.shape[0], 4)  # fp32 logits at most
+        recompute = keeps_too_much(input_ids.size(0) * logits_to_keep, head.weight.shape[0])
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
@@ -152,7 +169,7 @@ def chunk_completion_logits(trainer) -> None:
             # the projection's own forward: its hooks ran above, once for the whole batch
             logps, entropies = chunked_logps(hidden[:, :-1][:, -logits_to_keep:], head.forward,
                                              ids[:, -logits_to_keep:], self.temperature, compute_entropy, positions,
-                                             autocast[0])
+                                             autocast[0], recompute)
             all_logps.append(logps)
             all_entropies.append(entropies)
         return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None, None

@@ -74,6 +74,8 @@ class TrainPlan:
     unpadded: bool  # varlen layers skip a padded batch's padding (snaketrl.train.attention.unpad)
     merged_generation: bool = False  # generation runs with the LoRA adapter merged (snaketrl.train.generation)
     inverse_cdf_sampling: bool = False  # generation draws its tokens by the inverse CDF (snaketrl.train.sampling)
+    packed_generation: bool = False  # generation's bf16 linear layers run on prepacked weights (snaketrl.train.packed)
+    deduped_prefill: bool = False  # generation prefills each distinct prompt once (snaketrl.train.prefill)
     # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
     compiled_decode: int = 0
     notes: tuple[str, ...] = ()
@@ -93,6 +95,8 @@ class TrainPlan:
                 "activation_checkpointing": self.checkpointing, "attn_implementation": self.attention or "sdpa",
                 "unpadded": self.unpadded, **({"merged_generation": True} if self.merged_generation else {}),
                 **({"inverse_cdf_sampling": True} if self.inverse_cdf_sampling else {}),
+                **({"packed_generation": True} if self.packed_generation else {}),
+                **({"deduped_prefill": True} if self.deduped_prefill else {}),
                 **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
 
 
@@ -208,6 +212,12 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     inverse_cdf, why = samples_by_inverse_cdf(run, device.name, args)
     if inverse_cdf:
         notes.append(f"generation draws its tokens by the inverse CDF: {why}")
+    packs, why = packs_for_generation(run, device.name, args, sharded, device.bf16_units)
+    if packs:
+        notes.append(f"generation's bf16 linear layers on prepacked weights: {why}")
+    dedupes, why = dedupes_prefill(run, device.name, args, sharded)
+    if dedupes:
+        notes.append(f"generation prefills each distinct prompt once: {why}")
     compiles, why = compiles_decode(run, device.name, args, sharded,
                                     planned_generations(args, lengths, world) if run["trainer"] in COMPILES else None)
     cache = cache_positions(lengths, args) if compiles else 0
@@ -217,7 +227,8 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     return TrainPlan(run=run, spec=spec, device=device.name, world=world, batch=batch, max_length=lengths["max_length"],
                      choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
-                     inverse_cdf_sampling=inverse_cdf, compiled_decode=cache, notes=tuple(notes))
+                     inverse_cdf_sampling=inverse_cdf, packed_generation=packs, deduped_prefill=dedupes,
+                     compiled_decode=cache, notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
@@ -247,6 +258,35 @@ def samples_by_inverse_cdf(run: dict, device: str, args) -> tuple[bool, str]:
         return False, ""
     return True, ("the same distribution as torch.multinomial at ~1 ms a decode step against 15-17 ms (16 rows of a "
                   "49,152-entry vocabulary, one thread; docs/benchmarks.md)")
+
+
+def packs_for_generation(run: dict, device: str, args, sharded: bool, bf16_units: bool) -> tuple[bool, str]:
+    """Whether an online trainer's generation multiplies by its bf16 linear layers' weights prepacked for oneDNN
+    (snaketrl.train.packed), and why: the same logits, bit for bit. On a CPU whose oneDNN computes bf16
+    (`bf16_units`: detect_device asks oneDNN) where the model trains in bf16 (its weights load in bf16 there); a
+    GPU's matmuls do not go through oneDNN. Off under vLLM (its own weights), FSDP or ZeRO-3 (sharded weights), for
+    a quantized base (its layers are not torch's linear) and for a tiny model, whose numbers are measured on TRL's
+    path (it trains in fp32 on a CPU anyway)."""
+    entry = run["model_entry"]
+    if run["trainer"] not in GENERATES or device != "cpu" or not bf16_units or not args.bf16 or "tiny" in entry \
+            or entry.get("quantization") or sharded or getattr(args, "use_vllm", False):
+        return False, ""
+    return True, ("oneDNN otherwise reorders each bf16 weight on every call: SmolLM2-135M's decode step on one EPYC "
+                  "thread 27 ms against 47 ms for its layers, 6.9 against 11.5 ms for its head (docs/benchmarks.md)")
+
+
+def dedupes_prefill(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
+    """Whether a GRPO or RLOO run's generation prefills each distinct prompt once (snaketrl.train.prefill), and why:
+    the same logits and cache, bit for bit, on 1 / num_generations of the rows. On a CPU, where the prefill's
+    matmuls are compute-bound; a GPU keeps transformers' prefill until measured there. Off under vLLM and TRL's
+    continuous batching (their own prefill), FSDP or ZeRO-3 (gathered weights), with one generation a prompt (no
+    repeated rows) and for a tiny model, whose numbers are measured on TRL's path."""
+    if run["trainer"] not in ("grpo", "rloo") or device != "cpu" or "tiny" in run["model_entry"] or sharded \
+            or getattr(args, "num_generations", 1) < 2 or getattr(args, "use_vllm", False) \
+            or getattr(args, "use_transformers_continuous_batching", False):
+        return False, ""
+    return True, (f"its {args.num_generations} completions of a prompt share one prefill: SmolLM2-135M's generation "
+                  f"of 16 completions of 4 prompts on one EPYC thread took 0.6-1.1 CPU-s less (docs/benchmarks.md)")
 
 
 # bench/rl.py --configfile bench/rl-gpu.yaml on an H200 (docs/benchmarks.md, "Online RL on a GPU"): GRPO's first

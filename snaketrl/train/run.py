@@ -31,6 +31,8 @@ from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
 from snaketrl.train.logps import chunk_completion_logits
+from snaketrl.train.packed import pack_for_generation
+from snaketrl.train.prefill import dedupe_prefill
 from snaketrl.train.scored import TRAINERS, bound_logits
 from snaketrl.train.plan import TrainPlan, detect_device, plan_run
 from snaketrl.train.sampling import sample_by_inverse_cdf
@@ -226,6 +228,10 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         merge_for_generation(trainer, run["trainer"])
     if plan.inverse_cdf_sampling:
         sample_by_inverse_cdf(trainer, run["trainer"])
+    if plan.packed_generation:
+        pack_for_generation(trainer, run["trainer"])
+    if plan.deduped_prefill:
+        dedupe_prefill(trainer, run["trainer"])
     if plan.compiled_decode:
         compile_decode(trainer, plan.compiled_decode, plan.device)
     return trainer
