@@ -110,6 +110,32 @@ def test_every_trainer_trains_a_real_model_in_bf16_on_a_cpu_with_bf16_units(trai
     assert all(math.isfinite(v) for _, v in logged)
 
 
+def test_a_bf16_ppo_generates_from_its_updated_policy(tmp_path, config, tiny_model_dir, reward_dir, monkeypatch):
+    """PPO in bf16 (faked units): after an update, the rollouts come from the updated adapter, so two learning rates
+    part after the first update. One autocast region around TRL's whole loop kept its cast of each trained weight
+    from the first forward (autocast caches casts until its outermost region exits): every rollout, update and
+    logged value used the untrained adapter, at any learning rate, and only the fp32 value head learned."""
+    import torch
+
+    from test_trainers import PER_TRAINER, prepare
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    logged = {}
+    for lr in (1e-6, 1e-2):
+        (tmp_path / str(lr)).mkdir()
+        job = prepare(tmp_path / str(lr), copy.deepcopy(config), tiny_model_dir, "ppo",
+                      args={**PER_TRAINER["ppo"], "per_device_train_batch_size": 4, "total_episodes": 12,
+                            "learning_rate": lr, "logging_steps": 1})
+        job["run"]["model_entry"] = {k: v for k, v in job["run"]["model_entry"].items() if k != "tiny"}
+        train_run(**job, reward_dir=reward_dir)
+        state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
+        assert json.loads((job["out_dir"] / "manifest.json").read_text())["trl_args"]["bf16"] is True
+        logged[lr] = [entry["objective/kl"] for entry in state["log_history"] if "objective/kl" in entry]
+    slow, fast = logged.values()
+    assert len(slow) == len(fast) == 3 and slow[0] == fast[0]  # the same first rollouts, before any update
+    assert abs(fast[2] - slow[2]) > 0.01, logged
+
+
 def test_missing_lora_target_lists_the_model_modules(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

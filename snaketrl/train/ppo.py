@@ -176,9 +176,12 @@ class PPOTrainer(TRLPPOTrainer):
         without one, so generation, the reference/value/reward passes and the update run in the weights' own
         dtypes. A 4-bit policy has mixed ones: peft's prepare_model_for_kbit_training leaves its norms, embeddings
         and lm_head in fp32, then TRL's peft_module_casting_to_bf16 casts lm_head and the embeddings back to
-        bf16 while keeping the norms fp32, so fp32 hidden states meet a bf16 lm_head."""
+        bf16 while keeping the norms fp32, so fp32 hidden states meet a bf16 lm_head.
+        Without autocast's weight cache: it keeps each cast of a trained weight until the outermost region exits,
+        and this one spans the whole loop, so every forward would read the adapter as it was at the first
+        (tests/test_train.py: the rollouts of any learning rate were those of the untrained policy)."""
         if self.args.bf16:
-            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     def generate_completions(self, sampling: bool = False):
