@@ -1,7 +1,11 @@
 import json
 
 from conftest import ROOT
-from snaketrl.data.samples import GENERATORS, write_samples
+import random
+
+import pytest
+
+from snaketrl.data.samples import GENERATORS, arithmetic, arithmetic_carry, sum_operands, write_samples
 
 
 def test_shipped_samples_are_what_the_generator_writes(tmp_path):
@@ -11,7 +15,7 @@ def test_shipped_samples_are_what_the_generator_writes(tmp_path):
 
 def test_samples_have_the_hub_schemas(tmp_path):
     rows = {p.stem: [json.loads(x) for x in p.read_text().splitlines()] for p in write_samples(tmp_path, n=50)}
-    assert set(rows) == set(GENERATORS)
+    assert set(rows) == set(GENERATORS) | {"arithmetic_carry"}
     assert set(rows["tldr"][0]) == {"prompt", "completion"}
     assert rows["tldr"][0]["prompt"].endswith("TL;DR:")
     assert set(rows["ultrafeedback"][0]) == {"chosen", "rejected", "score_chosen", "score_rejected"}
@@ -26,3 +30,20 @@ def test_tldr_completion_restates_the_post(tmp_path):
     for row in json.loads("[" + ",".join((ROOT / "data/samples/tldr.jsonl").read_text().splitlines()) + "]"):
         name = row["completion"].split()[0]
         assert name in row["prompt"]
+
+
+def test_carry_sample_carries_and_shares_no_sum_with_the_arithmetic_sample():
+    rows = [json.loads(x) for x in (ROOT / "data/samples/arithmetic_carry.jsonl").read_text().splitlines()]
+    plain = [json.loads(x) for x in (ROOT / "data/samples/arithmetic.jsonl").read_text().splitlines()]
+    assert len(rows) == 400
+    pairs = [tuple(map(int, r["answer"].split("<<")[1].split("=")[0].split("+"))) for r in rows]
+    assert len(set(pairs)) == 400 and len(sum_operands(rows)) == 223    # no sum twice; 177 in both orders
+    assert all(2 <= a <= 40 and 2 <= b <= 40 and a % 10 + b % 10 >= 10 for a, b in pairs)
+    assert not sum_operands(rows) & sum_operands(plain)
+    assert rows[0]["answer"] == "Taylor has 15 + 5 = <<15+5=20>>20 stickers.\n#### 20"
+
+
+def test_carry_sample_refuses_more_rows_than_carrying_sums():
+    taken = sum_operands(arithmetic(400, random.Random("0-arithmetic")))
+    with pytest.raises(ValueError, match=r"^arithmetic_carry: 435 rows asked for, 434 carrying sums not in the arithmetic sample$"):
+        arithmetic_carry(435, random.Random(0), taken)

@@ -119,17 +119,38 @@ def firefly(n: int, rng: random.Random) -> list[dict]:
 ITEMS = ["apples", "books", "stickers", "marbles", "cookies", "pencils"]
 
 
+def sum_row(name: str, item: str, a: int, b: int) -> dict:
+    return {
+        "question": f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+        "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {item}.\n#### {a + b}",
+    }
+
+
 def arithmetic(n: int, rng: random.Random) -> list[dict]:
     """openai/gsm8k: question/answer, the final number after `####` (verifiable rewards)."""
     rows = []
     for _ in range(n):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         a, b = rng.randint(2, 40), rng.randint(2, 40)
-        rows.append({
-            "question": f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
-            "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {item}.\n#### {a + b}",
-        })
+        rows.append(sum_row(name, item, a, b))
     return rows
+
+
+def sum_operands(rows: list[dict]) -> set[frozenset]:
+    """The unordered operand pairs {a, b} of arithmetic rows."""
+    return {frozenset(map(int, row["answer"].split("<<")[1].split("=")[0].split("+"))) for row in rows}
+
+
+def arithmetic_carry(n: int, rng: random.Random, taken: set[frozenset]) -> list[dict]:
+    """The arithmetic task (same operand range, same form) on sums whose units carry: the sums a model trained on
+    the arithmetic sample most often gets wrong, so a group of its sampled answers has reward spread (GRPO's
+    signal). No pair of operands is one of `taken` (the arithmetic sample's, held-out rows included), in either
+    order, so its held-out questions stay unseen."""
+    pairs = [(a, b) for a in range(2, 41) for b in range(2, 41)
+             if a % 10 + b % 10 >= 10 and frozenset((a, b)) not in taken]
+    if n > len(pairs):
+        raise ValueError(f"arithmetic_carry: {n} rows asked for, {len(pairs)} carrying sums not in the arithmetic sample")
+    return [sum_row(rng.choice(NAMES), rng.choice(ITEMS), a, b) for a, b in rng.sample(pairs, n)]
 
 
 GENERATORS = {"tldr": tldr, "ultrafeedback": ultrafeedback, "descriptiveness": descriptiveness, "firefly": firefly,
@@ -140,9 +161,13 @@ def write_samples(out_dir: str | Path, n: int = 400, seed: int = 0) -> list[Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    written = {}
     for name, gen in GENERATORS.items():
+        written[name] = gen(n, random.Random(f"{seed}-{name}"))
+    written["arithmetic_carry"] = arithmetic_carry(n, random.Random(f"{seed}-arithmetic_carry"),
+                                                   sum_operands(written["arithmetic"]))
+    for name, rows in written.items():
         path = out_dir / f"{name}.jsonl"
-        rows = gen(n, random.Random(f"{seed}-{name}"))
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         paths.append(path)
     return paths
