@@ -43,9 +43,11 @@ def build(out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from snaketrl.data.samples import GENERATORS
     from snaketrl.models.tiny import corpus_texts, train_tokenizer
 
-    tokenizer = train_tokenizer(corpus_texts(sorted((ROOT / "data/samples").glob("*.jsonl"))), 1024)
+    tokenizer = train_tokenizer(corpus_texts(sorted(ROOT / "data/samples" / f"{name}.jsonl" for name in GENERATORS)),
+                                1024)
     tokenizer.model_max_length = SHAPE["max_position_embeddings"]
     config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPE)

@@ -25,13 +25,13 @@ def base_dir(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from conftest import ROOT
+    from conftest import base_samples
     from snaketrl.models.tiny import corpus_texts
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus_texts(sorted((ROOT / "data" / "samples").glob("*.jsonl"))),
+    tok.train_from_iterator(corpus_texts(base_samples()),
                             trainer=trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>", "<|pad|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                         show_progress=False))
