@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from snaketrl.evaluate.kinds import reward_model_run
+
 ROOT = Path(__file__).resolve().parents[1]
 # --forceall: every job is planned, whatever results/ already holds.
 DRY_RUN = [sys.executable, "-m", "snakemake", "-n", "--forceall", "--cores", "1"]
@@ -72,8 +74,8 @@ def scaled_config(runs: int) -> dict:
     cfg["models"] = models
     cfg["matrix"]["models"] = list(models)
     if cfg.get("evaluation"):
-        cfg["evaluation"]["reward_models"] = [
-            r for r in cfg["evaluation"].get("reward_models", []) if r.removeprefix("reward-") in models]
+        cfg["evaluation"]["reward_models"] = [r for r in cfg["evaluation"].get("reward_models", [])
+                                              if reward_model_run(r).removeprefix("reward-") in models]
     return cfg
 
 

@@ -74,6 +74,7 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
             swept.setdefault(r["sweep"], []).append(n)
     members = {**swept, **members}
     ev["runs"] = [m for n in ev["runs"] for m in (members.get(n, [n]) if n not in runs else [n])]
+    own = _judge_entries(ev)
     ev["reward_models"] = [n if n in runs else members.get(n, [n])[0] for n in ev["reward_models"]]
     for name in ev["runs"]:
         if name not in runs:
@@ -110,22 +111,105 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
 
     for kind in KINDS:
         if ev[kind] is not None:
-            _check_kind(ev, kind, datasets, where, shipped)
-    if ev["prompts"] is None and (ev["reward_funcs"] or ev["reward_models"]):
+            check_dataset(ev[kind], kind, datasets, f"{where}.{kind}", shipped)
+    _check_generation(ev["generation"], f"{where}.generation")
+    judged = _judge_prompts(own, ev, runs, datasets, where, shipped)
+    if judged:  # absent where no reward model names its prompts: those configs' eval jobs keep their params
+        ev[JUDGE_PROMPTS] = judged
+    if ev["prompts"] is None and (ev["reward_funcs"] or set(ev["reward_models"]) - set(judged)):
         raise ConfigError(f"{where}: reward_funcs/reward_models score generated completions; set "
                           f"evaluation.prompts.dataset")
-    if not any(ev[k] for k in KINDS) and not ev["lm_eval"]["tasks"]:
+    if not any(ev[k] for k in KINDS) and not ev["lm_eval"]["tasks"] and not judged:
         raise ConfigError(f"{where}: nothing to evaluate; set prompts, references, pairs or lm_eval.tasks")
-
-    gen = ev["generation"]
-    for key in ("max_new_tokens", "batch_size"):
-        if not isinstance(gen[key], int) or isinstance(gen[key], bool) or gen[key] < 1:
-            raise ConfigError(f"{where}.generation.{key}: expected a positive integer, got {gen[key]!r}")
-    if gen["do_sample"] and not gen["temperature"] > 0:
-        raise ConfigError(f"{where}.generation.temperature: expected > 0 when sampling, got {gen['temperature']!r}")
 
     check_lm_eval_tasks(ev["lm_eval"]["tasks"], f"{where}.lm_eval.tasks")
     return ev
+
+
+def _check_generation(gen: dict, key: str) -> None:
+    for name in ("max_new_tokens", "batch_size"):
+        if not isinstance(gen[name], int) or isinstance(gen[name], bool) or gen[name] < 1:
+            raise ConfigError(f"{key}.{name}: expected a positive integer, got {gen[name]!r}")
+    if gen["do_sample"] and not gen["temperature"] > 0:
+        raise ConfigError(f"{key}.temperature: expected > 0 when sampling, got {gen['temperature']!r}")
+
+
+# Where the checked section keeps the reward models that judge their own prompts: run -> those prompts
+# ({dataset, split, size, trainer, [chat], generation}), in evaluation.reward_models order.
+JUDGE_PROMPTS = "reward_model_prompts"
+JUDGE_KEYS = ("run", "prompts", "generation")
+
+
+def _judge_entries(ev: dict) -> list[tuple[int, dict]]:
+    """The `{run, prompts, generation}` entries of evaluation.reward_models (index, entry), each checked for its
+    keys; ev["reward_models"] becomes the list of run names."""
+    own, names = [], []
+    for i, entry in enumerate(ev["reward_models"]):
+        key = f"config: evaluation.reward_models[{i}]"
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - set(JUDGE_KEYS))
+            if unknown:
+                raise ConfigError(f"{key}.{unknown[0]}: unknown key; expected one of {list(JUDGE_KEYS)}")
+            if not isinstance(entry.get("run"), str):
+                raise ConfigError(f"{key}.run: expected the name of a reward model run, got {entry.get('run')!r}")
+            if entry.get("prompts") is None:
+                raise ConfigError(f"{key}.prompts: expected the prompts it judges, a dataset name or {{dataset, split, "
+                                  f"size}} (a run name alone judges the yardstick's prompts)")
+            own.append((i, entry))
+            entry = entry["run"]
+        names.append(entry)
+    ev["reward_models"] = names
+    return own
+
+
+def _judge_prompts(own: list[tuple[int, dict]], ev: dict, runs: dict, datasets: dict, where: str,
+                   shipped=None) -> dict:
+    """Each reward model that names its own prompts (the eval split's first `size` rows of a dataset, as
+    evaluation.prompts takes them): run -> those prompts checked, with the generation they are completed with
+    (evaluation.generation, overridden by the entry's). One dataset is one set of prompts: two reward models
+    judging the same dataset must name it alike. Their rows are the prepared split of a run that trains on that
+    dataset in the prompts' layout (PPO's, for its reward model's prompts; preprocessing reads the layout, not the
+    trainer, so the rows are the same and no job is added), else data_trainer's."""
+    judged, by_dataset = {}, {}
+    for i, entry in own:
+        key = f"{where}.reward_models[{i}]"
+        prompts = entry["prompts"]
+        prompts = copy.deepcopy({"dataset": prompts} if isinstance(prompts, str) else prompts)
+        if not isinstance(prompts, dict):
+            raise ConfigError(f"{key}.prompts: expected a dataset name or {{dataset, split, size}}, got {prompts!r}")
+        unknown = sorted(set(prompts) - {"dataset", *KIND_DEFAULTS})
+        if unknown:
+            raise ConfigError(f"{key}.prompts.{unknown[0]}: unknown key; expected one of ['dataset', 'split', 'size']")
+        prompts = {**KIND_DEFAULTS, **prompts}
+        check_dataset(prompts, "prompts", datasets, f"{key}.prompts", shipped)
+        trains = {r["trainer"] for r in runs.values() if r.get("dataset") == prompts["dataset"]}
+        prompts["trainer"] = next((t for t, spec in REGISTRY.items() if t in trains
+                                   and spec.layout == KINDS["prompts"]["layout"]), prompts["trainer"])
+        extra = entry.get("generation") or {}
+        if not isinstance(extra, dict) or set(extra) - set(DEFAULTS["generation"]):
+            bad = sorted(set(extra) - set(DEFAULTS["generation"])) if isinstance(extra, dict) else None
+            raise ConfigError(f"{key}.generation" + (f".{bad[0]}: unknown key" if bad else ": expected a mapping")
+                              + f"; expected one of {sorted(DEFAULTS['generation'])}")
+        prompts["generation"] = {**ev["generation"], **extra}
+        _check_generation(prompts["generation"], f"{key}.generation")
+        first = by_dataset.setdefault(prompts["dataset"], (i, prompts))
+        if first[1] != prompts:
+            raise ConfigError(f"{key}.prompts: dataset '{prompts['dataset']}' is judged on other prompts by "
+                              f"evaluation.reward_models[{first[0]}]; give both the same split, size and generation")
+        run = ev["reward_models"][i]
+        if run in judged:
+            raise ConfigError(f"{key}: reward model '{entry['run']}' is listed twice")
+        judged[run] = prompts
+    return judged
+
+
+def judge_prompt_sets(ev: dict) -> dict[str, dict]:
+    """The reward models' own prompt sets, one per dataset (dataset -> its prompts, as check_evaluation keeps
+    them), in evaluation.reward_models order; empty where every reward model judges the yardstick's prompts."""
+    sets: dict[str, dict] = {}
+    for prompts in (ev.get(JUDGE_PROMPTS) or {}).values():
+        sets.setdefault(prompts["dataset"], prompts)
+    return sets
 
 
 def _with_defaults(section: dict) -> dict:
@@ -145,17 +229,19 @@ def _with_defaults(section: dict) -> dict:
     return ev
 
 
-def _check_kind(ev: dict, kind: str, datasets: dict, where: str, shipped=None) -> None:
-    entry = ev[kind]
+def check_dataset(entry: dict, kind: str, datasets: dict, key: str, shipped=None) -> None:
+    """One evaluation dataset entry ({dataset, split, size}, defaults filled) of a kind (KINDS), at config key
+    `key`: a known dataset with the columns the kind needs, a split, a size. Adds the trainer whose prepared
+    rows it reads, and the dataset's `chat` where set."""
     name = entry.get("dataset")
     if name not in datasets:
-        raise ConfigError(f"{where}.{kind}.dataset: unknown dataset {name!r}; expected one of {sorted(datasets)}")
+        raise ConfigError(f"{key}.dataset: unknown dataset {name!r}; expected one of {sorted(datasets)}")
     if entry["split"] not in ("train", "eval"):
-        raise ConfigError(f"{where}.{kind}.split: expected 'eval' (held out from training) or 'train', "
+        raise ConfigError(f"{key}.split: expected 'eval' (held out from training) or 'train', "
                           f"got {entry['split']!r}")
     size = entry["size"]
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ConfigError(f"{where}.{kind}.size: expected a positive integer or null, got {size!r}")
+        raise ConfigError(f"{key}.size: expected a positive integer or null, got {size!r}")
     entry["trainer"] = data_trainer(kind)
     if "chat" in datasets[name]:  # only where set: eval_targets decides per model (snaketrl.config.resolve.chat_prompts)
         entry["chat"] = datasets[name]["chat"]
@@ -164,7 +250,7 @@ def _check_kind(ev: dict, kind: str, datasets: dict, where: str, shipped=None) -
         return
     missing = missing_columns(kind, present, datasets[name].get("columns") or {})
     if missing:
-        raise ConfigError(f"{where}.{kind}: dataset '{name}' has no column '{missing}' "
+        raise ConfigError(f"{key}: dataset '{name}' has no column '{missing}' "
                           f"({KINDS[kind]['for']} needs {', '.join(KINDS[kind]['needs'])}); its columns are "
                           f"{present} (map names with datasets.{name}.columns)")
 
@@ -218,6 +304,7 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
         # where none do, so the eval jobs of configs without chat models keep their params.
         entry = run.get("model_entry")  # (resolved runs have it)
         chat = [kind for kind in KINDS if entry and ev[kind] and chat_prompts(entry, ev[kind])]
+        chat += [judge_chat(d) for d, p in judge_prompt_sets(ev).items() if entry and chat_prompts(entry, p)]
         chat += ["lm_eval"] if entry and ev["lm_eval"]["tasks"] and chat_model(entry) else []
         extra = {**({"chat": chat} if chat else {}), **param(entry), **({TRUSTED_JUDGES: judges} if judges else {})}
         targets[name] = {"kind": "run", "run": name, "model": run["model"], "trainer": run["trainer"],
@@ -228,10 +315,16 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(targets.items()))
 
 
+def judge_chat(dataset: str) -> str:
+    """How an eval target's `chat` names a reward model's own prompts that reach its model as chat turns."""
+    return f"{JUDGE_PROMPTS}:{dataset}"
+
+
 def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | None = None) -> dict:
     """The files one eval job reads (snaketrl.paths), by the names snaketrl.evaluate.job.evaluate's script
     passes on: model (the start model), adapter (runs only), prompts/references/pairs (the prepared split
     of each configured dataset), reward_models (merged reward runs, in evaluation.reward_models order),
+    reward_model_prompts (the prepared split of each reward model's own prompts, judge_prompt_sets order),
     reference (the completions of the reference's eval job, for win rates) and reference_pairs (the pair
     log-probabilities of the eval job of the model a run started from: its base, or its policy). `targets`:
     eval_targets(ev, runs), computed once by the caller (per job, it would cost each dry run time quadratic in the
@@ -250,7 +343,10 @@ def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | 
             inputs[kind] = paths.prepared(ev[kind]["dataset"], ev[kind]["trainer"], ev[kind]["split"])
     if ev["reward_models"]:
         inputs["reward_models"] = [paths.merged(r) for r in ev["reward_models"]]
-    if target["reference"] and ev["prompts"]:
+    sets = judge_prompt_sets(ev)
+    if sets:  # in judge_prompt_sets order
+        inputs[JUDGE_PROMPTS] = [paths.prepared(d, p["trainer"], p["split"]) for d, p in sets.items()]
+    if target["reference"] and (ev["prompts"] or sets):
         inputs["reference"] = paths.evaluation(target["reference"], "completions.jsonl")
     # A run's pair log-probabilities are relative to the model it started from (its adapter disabled): the base,
     # or the policy it started from, whose own eval job scored the pairs with the same weights.

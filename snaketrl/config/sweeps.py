@@ -12,6 +12,7 @@ import re
 
 from snaketrl.config.args import check_field
 from snaketrl.errors import ConfigError
+from snaketrl.evaluate.kinds import reward_model_run
 from snaketrl.train.args import OWNED
 from snaketrl.trainers import REGISTRY
 
@@ -62,7 +63,7 @@ def with_sweeps(config: dict, runs: dict[str, dict]) -> dict[str, dict]:
     from snakemake.utils import Paramspace
 
     used = {run[key] for run in runs.values() for key in ("policy", "reward_model") if run.get(key)}
-    used |= set((config.get("evaluation") or {}).get("reward_models") or [])
+    used |= {reward_model_run(e) for e in (config.get("evaluation") or {}).get("reward_models") or []}
     out = {}
     for name, run in runs.items():
         grid = sweeps.get(run["trainer"])

@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+from snaketrl.config.evaluation import JUDGE_PROMPTS, judge_chat, judge_prompt_sets
 from snaketrl.data.chat import as_chat, require_template
 from snaketrl.divergence import HINT, Diverged, finite
 from snaketrl.errors import ConfigError, DataError
@@ -35,6 +36,11 @@ def _rows(path, kind: str, size, where: str) -> list[dict]:
 
 def _prompt_key(prompt) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
+
+
+# The column naming the set a completion's prompt is from: a reward model's own prompts (their dataset); absent on
+# the yardstick's (evaluation.prompts).
+PROMPT_SET = "prompt_set"
 
 
 def _pair_key(row: dict) -> str:
@@ -114,7 +120,7 @@ def check_finite(metrics: dict, target: dict) -> None:
 def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_metrics, adapter_dir=None,
              prompts_file=None, references_file=None, pairs_file=None, reward_models: dict | None = None,
              reference_completions=None, reference_pairs=None, out_pairs=None, lm_eval_data=None,
-             threads: int | None = None) -> dict:
+             reward_model_prompts: dict | None = None, threads: int | None = None) -> dict:
     """One eval job: the model (base + adapter, or a base alone) loaded once; every input checked before it
     loads. `target`: run, model, trainer, seed (snaketrl.config.evaluation.eval_targets). `settings`: the
     checked evaluation section. `reward_models`: run name -> merged directory. `reference_completions`: the
@@ -122,7 +128,10 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     file, whose log-probabilities are the base's of a run trained from the base itself. `lm_eval_data`: the
     workflow's copies of the files the project's lm-eval tasks read, in harness.project_task_files order. Writes
     the per-prompt JSON Lines, the per-pair ones (`out_pairs`: empty without pairs) and the metrics JSON, each
-    atomically; returns the metrics."""
+    atomically; returns the metrics. `reward_model_prompts`: dataset -> its prepared file, for the reward models
+    that judge their own prompts (settings' reward_model_prompts): their completions follow the yardstick's in the
+    completions file (prompt_id counting on, `prompt_set` naming the dataset), and each such reward model scores
+    those alone."""
 
     started = time.perf_counter()
     name = target.get("name") or target["run"] or f"base-{target['model']}"
@@ -137,11 +146,20 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     rows_of = {kind: _rows(path, kind, settings[kind]["size"], where) for kind, path in files.items() if path}
     rows_of = {kind: as_chat(rows) if kind in chat else rows for kind, rows in rows_of.items()}
     prompts_rows, ref_rows, pair_rows = (rows_of.get(kind) for kind in files)
+    sets = judge_prompt_sets(settings)
+    set_files = dict(reward_model_prompts or {})
+    missing = sorted(sets.keys() - set_files.keys())
+    if missing:
+        raise ConfigError(f"{where}: no prepared prompts of dataset '{missing[0]}', which a reward model judges on")
+    set_rows = {d: _rows(set_files[d], "prompts", p["size"], where) for d, p in sets.items()}
+    set_rows = {d: as_chat(rows) if judge_chat(d) in chat else rows for d, rows in set_rows.items()}
     reference = read_jsonl(reference_completions) if reference_completions else None
-    if reference is not None and prompts_rows is not None:
-        if [_prompt_key(r["prompt"]) for r in reference] != [_prompt_key(r["prompt"]) for r in prompts_rows]:
+    if reference is not None and (prompts_rows is not None or set_rows):
+        expected = [(None, _prompt_key(r["prompt"])) for r in prompts_rows or []]
+        expected += [(d, _prompt_key(r["prompt"])) for d, rows in set_rows.items() for r in rows]
+        if [(r.get(PROMPT_SET), _prompt_key(r["prompt"])) for r in reference] != expected:
             raise DataError(f"{where}: the reference's completions ({reference_completions}) are for other prompts; "
-                            f"rerun its eval job with the same evaluation.prompts")
+                            f"rerun its eval job with the same evaluation.prompts and reward_models' prompts")
     reference_logps = (_reference_logps(reference_pairs, pair_rows, model_dir, where)
                        if reference_pairs and pair_rows is not None else None)
     manager = lm_eval_task_manager(lm_tasks) if lm_tasks else None
@@ -158,6 +176,9 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     reference_logps = _same_numbers(reference_logps, dtype, model_dir, reference_pairs, where)
     for kind, rows in rows_of.items():
         require_template(loaded.tokenizer, rows, kind in chat, model=target["model"], dataset=settings[kind]["dataset"],
+                         where=where)
+    for dataset, rows in set_rows.items():
+        require_template(loaded.tokenizer, rows, judge_chat(dataset) in chat, model=target["model"], dataset=dataset,
                          where=where)
     seed = target.get("seed", 0)
     timing["load"] = time.perf_counter() - t
@@ -181,6 +202,19 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         metrics.update(n_prompts=len(rows), mean_length=mean_std(generated.n_tokens)["mean"],
                        distinct_2=distinct_n(generated.texts, 2), kl_k1=mean_std(kl)["mean"] if kl else None,
                        kl_estimator=KL_ESTIMATOR + ("" if gen["do_sample"] else " (greedy: a proxy, not unbiased)"))
+    # The reward models' own prompts, after the yardstick's (whose completions, sampled or not, stay as without them).
+    judged = {}  # dataset -> its completion rows
+    for dataset, set_prompts in set_rows.items():
+        t = time.perf_counter()
+        g = sets[dataset]["generation"]
+        prompts = [r["prompt"] for r in set_prompts]
+        out = generate(loaded.model, loaded.tokenizer, prompts, max_new_tokens=g["max_new_tokens"],
+                       do_sample=g["do_sample"], batch_size=g["batch_size"], temperature=g["temperature"],
+                       top_p=g["top_p"], seed=seed)
+        start = len(rows) + sum(map(len, judged.values()))
+        judged[dataset] = [{"prompt_id": start + i, PROMPT_SET: dataset, "prompt": p, "completion": c, "n_tokens": n}
+                           for i, (p, c, n) in enumerate(zip(prompts, out.texts, out.n_tokens))]
+        timing["generate_judged"] = timing.get("generate_judged", 0.0) + time.perf_counter() - t
     if ref_rows is not None:
         t = time.perf_counter()
         metrics["references"] = completion_nll(loaded.model, loaded.tokenizer, [r["prompt"] for r in ref_rows],
@@ -203,29 +237,41 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
         timing["lm_eval"] = time.perf_counter() - t
     del loaded
 
-    if prompts_rows is not None:
+    if prompts_rows is not None or judged:
         t = time.perf_counter()
-        prompts, texts = [r["prompt"] for r in prompts_rows], [r["completion"] for r in rows]
-        columns = {k: [r.get(k) for r in prompts_rows] for k in prompts_rows[0] if k != "prompt"}
-        scores = reward_function_scores(settings["reward_funcs"], prompts, texts, columns)
+        scores = {}  # score -> (the rows it scored, their dataset, its values)
+        if prompts_rows is not None:
+            prompts, texts = [r["prompt"] for r in prompts_rows], [r["completion"] for r in rows]
+            columns = {k: [r.get(k) for r in prompts_rows] for k in prompts_rows[0] if k != "prompt"}
+            for score, values in reward_function_scores(settings["reward_funcs"], prompts, texts, columns).items():
+                scores[score] = rows, settings["prompts"]["dataset"], values
+        own = settings.get(JUDGE_PROMPTS, {})
         for rm_name, rm_dir in reward_models.items():
-            scores[score_name("rm", rm_name)] = reward_model_scores(
-                rm_dir, prompts, texts, batch_size=settings["batch_size"],
+            if rm_name in own:
+                dataset = own[rm_name]["dataset"]
+                on = judged[dataset]
+            elif prompts_rows is not None:
+                dataset, on = settings["prompts"]["dataset"], rows
+            else:
+                continue
+            scores[score_name("rm", rm_name)] = on, dataset, reward_model_scores(
+                rm_dir, [r["prompt"] for r in on], [r["completion"] for r in on], batch_size=settings["batch_size"],
                 trust_remote_code=rm_name in target.get(TRUSTED_JUDGES, []))
         timing["scores"] = time.perf_counter() - t
         metrics["scores"] = {}
-        for score, values in scores.items():
-            for row, value in zip(rows, values):
+        by_id = {r["prompt_id"]: r for r in reference} if reference is not None else None
+        for score, (on, dataset, values) in scores.items():
+            for row, value in zip(on, values):
                 row[score] = value
             entry = mean_std(values)
-            entry["win_rate"] = (win_rate(values, [r.get(score) for r in reference])
-                                 if reference is not None else None)
-            metrics["scores"][score] = entry
+            entry["win_rate"] = (win_rate(values, [by_id[r["prompt_id"]].get(score) for r in on])
+                                 if by_id is not None else None)
+            metrics["scores"][score] = {**entry, "n": len(values), "prompts": dataset}
 
     check_finite(metrics, target)
     info = {"run": name, "model": target["model"], "trainer": target["trainer"], "seed": seed,
             "reference": target.get("reference")}
-    rows = [{**info, **row} for row in rows]
+    rows = [{**info, **row} for row in rows + [r for done in judged.values() for r in done]]
     timing["total"] = time.perf_counter() - started
     metrics = {**info, **metrics, "timing_s": timing}
     if out_pairs is not None:

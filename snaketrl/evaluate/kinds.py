@@ -27,6 +27,11 @@ def reward_func_name(entry) -> str:
     return entry if isinstance(entry, str) else entry["function"]
 
 
+def reward_model_run(entry) -> str:
+    """The run an `evaluation.reward_models` entry names: the entry itself, or its `run` ({run, prompts})."""
+    return entry.get("run") if isinstance(entry, dict) else entry
+
+
 def check_rows(rows: list[dict], kind: str, where: str) -> None:
     """The eval job's check of its rows, before any model loads (DataError)."""
     if not rows:

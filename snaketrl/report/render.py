@@ -181,7 +181,9 @@ def evaluation_section(evaluated: dict[str, dict], groups: dict[str, str], runs:
     _, better = leaderboard.frame(metrics, groups)
     col = yardstick({c: better[c] for c in board["mean"].columns})
     datasets = {groups.get(r, r): entry.get("dataset", "") for r, entry in runs.items()}
-    prompts = max((m.get("n_prompts") or 0 for m in metrics.values()), default=0)
+    # The prompts the yardstick's score was taken over: a reward model judging its own prompts has its own count.
+    prompts = max(((m.get("scores") or {}).get(col, {}).get("n") or m.get("n_prompts") or 0
+                   for m in metrics.values()), default=0)
     first = None
     if col is not None:
         to_base = glance.base_differences(board, col)
