@@ -178,14 +178,16 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     size = 2 if native_bf16(cpu=True) else 4  # the plan trains a real model in bf16 where the CPU computes it
     projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
-    chunked = trainer in TRAINERS and logps.CHUNK_BYTES < 2 ** 62  # not under --trl-logits
+    # as the plan counts them (not under --trl-logits)
+    chunked = (trainer in TRAINERS or spec.value_model) and logps.CHUNK_BYTES < 2 ** 62
+    value = spec.value_model
     return {"trainer": trainer, "tokens": tokens,
-            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked),
+            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked, value),
             "trained_tokens": widest[0],
             # positions in proportion to the step's tokens; KTO's KL forward runs without gradient and is left out
             # of the step's tokens
             "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast,
-                                                 chunked),
+                                                 chunked, value),
             "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": max(peak, start.get("first_peak", 0)),
             "added": max(peak, start.get("first_peak", 0)) - start["rss"],

@@ -19,7 +19,9 @@ decode step's scores become the drawn token's log-prob once it is drawn (`StepLo
 their hidden states in place of logits: the log-probs of the completion tokens are projected from them a chunk at
 a time, each chunk recomputed in the backward pass, and the trained pass's logged entropy with them. The value and
 reward models score from their backbones (TRL's get_reward): no vocabulary there. The same values as TRL's path,
-float rounding aside (tests/test_ppo_logits.py).
+float rounding aside (tests/test_ppo_logits.py). Gemma 3 270M on a CPU, 4 rows of 32 completion tokens
+(bench/vocab_memory.py): peak resident memory 5.42 GiB against TRL's path's 5.94, the last update adding 1.08 GiB
+against 1.40.
 """
 
 from __future__ import annotations
