@@ -67,7 +67,8 @@ def test_bounded_logits_give_trls_updates(tmp_path, config, tiny_model_dir, rewa
         monkeypatch.undo()
         widest[name] = mode.rows
         state = json.loads((job["out_dir"] / "trainer_state.json").read_text())
-        logs[name] = [{k: v for k, v in h.items() if k != "eps"} for h in state["log_history"] if "loss/policy_avg" in h]
+        logs[name] = [{k: v for k, v in h.items() if k != "eps"} for h in state["log_history"]
+                      if "loss/policy_avg" in h]
     assert ppo_trainer.batch_generation is generate  # put back after training
     assert widest == {"trl": pytest.approx(widest["trl"]), "bounded": CHUNK}
     assert widest["trl"] >= 4 * (8 + 16)  # a pass's logits: 4 rows of prompt and completion

@@ -107,8 +107,8 @@ def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, pr
                          upcast_head: bool = False, chunked: bool = False,
                          value_model: bool = False) -> tuple[bool, str]:
     """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected`,
-    `upcast_head`, `chunked` and `value_model` as activation_bytes takes them) would take more than SHARE of the memory left once
-    the weights are loaded (`free`: the device's free bytes before loading)."""
+    `upcast_head`, `chunked` and `value_model` as activation_bytes takes them) would take more than SHARE of the
+    memory left once the weights are loaded (`free`: the device's free bytes before loading)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model)
     room = SHARE * (free - weight_bytes(model_dir))
