@@ -148,13 +148,21 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
             model = getattr(model, "policy", model)  # PPO's wrapper
             model.get_input_embeddings().register_forward_pre_hook(count)
 
+        def last_step(self):  # the last step alone, without the first one's one-time allocations
+            step[0] = 0
+            start["first_peak"] = status("VmHWM")
+            Path("/proc/self/clear_refs").write_text("5")
+            start["last"] = status("VmRSS")
+
         def on_step_begin(self, *a, **k):
             step[0] = 0
             begun[0] += 1
-            if begun[0] == 2:  # the last step alone, without the first one's one-time allocations
-                start["first_peak"] = status("VmHWM")
-                Path("/proc/self/clear_refs").write_text("5")
-                start["last"] = status("VmRSS")
+            if begun[0] == 2:
+                self.last_step()
+
+        def on_step_end(self, args, state, *a, **k):
+            if trainer == "ppo" and state.global_step == 1:  # PPO's own loop calls no on_step_begin
+                self.last_step()
 
     metrics = train_run(run, model_dir=policy, train_file=tmp / "train.jsonl",
                         eval_file=tmp / "eval.jsonl", lengths_file=tmp / "lengths.json", out_dir=tmp / "out",
@@ -172,18 +180,19 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     size = 2 if native_bf16(cpu=True) else 4  # the plan trains a real model in bf16 where the CPU computes it
     projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
-    chunked = trainer in TRAINERS and logps.CHUNK_BYTES < 2 ** 62  # not under --trl-logits
+    # as the plan counts them (not under --trl-logits)
+    chunked = (trainer in TRAINERS or spec.value_model) and logps.CHUNK_BYTES < 2 ** 62
+    value = spec.value_model
     return {"trainer": trainer, "tokens": tokens,
-            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked),
+            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked, value),
             "trained_tokens": widest[0],
             # positions in proportion to the step's tokens; KTO's KL forward runs without gradient and is left out
             # of the step's tokens
             "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast,
-                                                 chunked),
+                                                 chunked, value),
             "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": max(peak, start.get("first_peak", 0)),
             "added": max(peak, start.get("first_peak", 0)) - start["rss"],
-            # PPO's own loop calls no on_step_begin: its steps are not told apart
             "added_last": peak - start["last"] if "last" in start else None,
             "labelled": metrics.get("logits_on_labels_only")}
 
@@ -196,7 +205,8 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=32)
     ap.add_argument("--limit-gb", type=float, default=8.0)
     ap.add_argument("--work", default="/tmp/vocab_memory")
-    ap.add_argument("--model", help="a model directory to measure instead (PPO needs its SEQ_CLS copy: left out)")
+    ap.add_argument("--model", help="a model directory to measure instead (PPO: with --reward)")
+    ap.add_argument("--reward", help="--model's SEQ_CLS copy, PPO's reward and value model")
     ap.add_argument("--trl-logits", action="store_true",
                     help="GRPO's, RLOO's, DPO's, KTO's and ORPO's logits unchunked, as TRL has them")
     ap.add_argument("--hh", action="store_true", help="the preference trainers' pairs from hh-rlhf, not the sample")
@@ -213,7 +223,8 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory(dir=work) as tmp:
             result = one(opts.one, opts.rows, opts.length, opts.completion, Path(opts.model) if opts.model else
-                         work / "models" / "policy", work / "models" / "reward", Path(tmp), {}, opts.hh)
+                         work / "models" / "policy", Path(opts.reward) if opts.reward else work / "models" / "reward",
+                         Path(tmp), {}, opts.hh)
         print("RESULT " + json.dumps(result), flush=True)
         return
     work.mkdir(parents=True, exist_ok=True)
@@ -226,7 +237,8 @@ def main() -> None:
                                str(opts.length), "--completion", str(opts.completion), "--limit-gb",
                                str(opts.limit_gb), "--work", str(work), *(["--trl-logits"] if opts.trl_logits else []),
                                *(["--hh"] if opts.hh else []),
-                               *(["--model", opts.model] if opts.model else [])], capture_output=True, text=True,
+                               *(["--model", opts.model] if opts.model else []),
+                               *(["--reward", opts.reward] if opts.reward else [])], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:

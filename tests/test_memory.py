@@ -117,6 +117,8 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     # DPO, KTO and ORPO project 64 positions of Gemma's vocabulary at a time (64 MiB of fp32 logits): four copies
     assert activation_bytes(gemma, 4096, 2, chunked=True) == 4096 * layers + 16 * 262144 * 64
     assert activation_bytes(gemma, 4096, 2, projected=40, chunked=True) == 4096 * layers + 16 * 262144 * 40
+    # PPO's value model runs the same tokens: its layers count again
+    assert activation_bytes(gemma, 4096, 2, chunked=True, value_model=True) == 2 * 4096 * layers + 16 * 262144 * 64
 
 
 def test_a_chunked_step_measures_the_estimate_of_its_chunks():

@@ -97,3 +97,23 @@ def test_a_reward_model_that_ships_its_code_is_loaded_with_it(tmp_path, config, 
     job, trusted = plan_of(tmp_path / "b", config, tiny_model_dir, "grpo", Device("cpu", False, 64 * GIB),
                            reward_model="reward-qwen2-tiny")
     assert job["run"]["reward_trust_remote_code"] is True and trusted.args.trust_remote_code is True
+
+
+def test_ppo_counts_one_chunk_of_logits_and_its_value_models_layers(tmp_path, config, tiny_model_dir, monkeypatch):
+    """PPO's trained pass projects a chunk at a time (snaketrl.train.ppo.bound_logits) and runs the value model on the
+    same tokens; a model whose logits are softcapped keeps TRL's path, every position's logits at once."""
+    import shutil
+
+    from snaketrl.train import plan as planning
+    from snaketrl.train.plan import Device
+
+    seen, choose = [], planning.choose_checkpointing
+    monkeypatch.setattr(planning, "choose_checkpointing", lambda *a, **k: seen.append(k) or choose(*a, **k))
+    softcapped = tmp_path / "softcapped"
+    shutil.copytree(tiny_model_dir, softcapped)
+    model_config = json.loads((softcapped / "config.json").read_text())
+    (softcapped / "config.json").write_text(json.dumps({**model_config, "final_logit_softcapping": 30.0}))
+    for name, trainer, model in (("ppo", "ppo", tiny_model_dir), ("capped", "ppo", softcapped),
+                                 ("grpo", "grpo", tiny_model_dir)):
+        plan_of(tmp_path / name, config, model, trainer, Device("cpu", False, 64 * GIB))
+    assert [(k["chunked"], k["value_model"]) for k in seen] == [(True, True), (False, True), (False, False)]

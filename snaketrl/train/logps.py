@@ -131,10 +131,15 @@ def supported(model) -> bool:
     from snaketrl.train.labelled import takes_logits_to_keep
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(inner.config, "text_config", None) or inner.config
     return (inner.get_output_embeddings() is not None and takes_logits_to_keep(model)
-            and getattr(config, "final_logit_softcapping", None) is None
-            and getattr(config, "logit_scale", None) in (None, 1.0))
+            and projection_alone(inner.config.to_dict()))
+
+
+def projection_alone(config: dict) -> bool:
+    """Whether a model's config (config.json's fields) changes no logit after the output projection: no softcapping,
+    no logit scale."""
+    text = config.get("text_config") or config
+    return text.get("final_logit_softcapping") is None and text.get("logit_scale") in (None, 1.0)
 
 
 def chunk_completion_logits(trainer) -> None:

@@ -29,6 +29,16 @@ SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp3
 output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
 262,144 x 640 it is 0.625 GiB, more than the activations of a small batch (bench/vocab_memory.py: Gemma 3 270M, bf16,
 2 rows, measured 1.17 GiB above the start of training, estimated 0.69 without the copy, 1.31 with it).
+PPO (`value_model`): its trained pass runs the policy and the value model (the reward run's model, taken as the
+policy's shape) on the same tokens, so the layers count twice, and its logits a chunk at a time
+(snaketrl.train.ppo.bound_logits) where the model's logits are its projection alone (snaketrl.train.logps
+.projection_alone). Gemma 3 270M in bf16 on a CPU (bench/vocab_memory.py: 4 rows, prompts cut to 128 tokens, 32
+completion tokens; the estimate for the tokens each step trained, against the peak resident memory the last step
+added): SFT 1.71 GiB estimated, 1.59 measured (1.08; the whole run, first step's one-time allocations included,
+1.74: 0.98); GRPO 1.44 against 0.76 (1.90; whole run 1.03: 1.40), every position counted where it projects its
+completions in chunks, for a chunk's count (0.54) would fall below the peak; PPO 0.94 against 1.08 (0.87; whole
+run 2.51 with the value model's optimizer states; TRL's logits: 1.40 measured, 3.04 whole run, peak resident 5.94
+GiB against 5.42 bounded), where one layer count and every position's logits said 1.69 (1.57).
 """
 
 from __future__ import annotations
@@ -52,12 +62,13 @@ CHUNKED_LOGITS = 4 * 4
 
 
 def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
-                     upcast_head: bool = False, chunked: bool = False) -> int:
+                     upcast_head: bool = False, chunked: bool = False, value_model: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
     (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
     logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
     projection (SFT's); `chunked`: the trainer projects at most a chunk of positions at once (DPO, KTO, ORPO:
-    snaketrl.train.scored), so that its logits count those positions at most."""
+    snaketrl.train.scored), so that its logits count those positions at most; `value_model`: the trained pass runs
+    a value model of the same shape on the same tokens (PPO's), whose layers count again."""
     from snaketrl.train.logps import chunk_positions
 
     text = config.get("text_config", config)
@@ -72,7 +83,7 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     else:
         logits = LOGITS * text["vocab_size"] * positions
     head = 4 * text["vocab_size"] * hidden if upcast_head and dtype_bytes < 4 else 0
-    return int(tokens * layers * per_layer + logits + head)
+    return int(tokens * layers * per_layer * (2 if value_model else 1) + logits + head)
 
 
 def weight_bytes(model_dir) -> int:
@@ -93,12 +104,13 @@ def free_bytes(device: str) -> int:
 
 
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
-                         upcast_head: bool = False, chunked: bool = False) -> tuple[bool, str]:
+                         upcast_head: bool = False, chunked: bool = False,
+                         value_model: bool = False) -> tuple[bool, str]:
     """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected`,
-    `upcast_head` and `chunked` as activation_bytes takes them) would take more than SHARE of the memory left once
-    the weights are loaded (`free`: the device's free bytes before loading)."""
+    `upcast_head`, `chunked` and `value_model` as activation_bytes takes them) would take more than SHARE of the
+    memory left once the weights are loaded (`free`: the device's free bytes before loading)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked)
+    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model)
     room = SHARE * (free - weight_bytes(model_dir))
     gib = 2 ** 30
     why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "

@@ -28,6 +28,7 @@ from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
+from snaketrl.train.logps import projection_alone
 from snaketrl.train.memory import choose_checkpointing
 from snaketrl.train.scored import plans_chunks
 from snaketrl.trainers import REGISTRY, Trainer, load
@@ -180,12 +181,14 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
         notes.append("bf16 (weights and autocast): this CPU's oneDNN has bf16 matrix units (AVX512-BF16 or AMX)")
     # TRL turns checkpointing on for every run; where the config leaves it unset, memory decides.
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
         checkpointing, why = choose_checkpointing(
             model_dir, forward_tokens(spec, fields, lengths["max_length"]), 2 if kwargs["bf16"] else 4,
             device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"]),
             upcast_head=run["trainer"] == "sft",
-            chunked=plans_chunks(run["trainer"], fields, run["lora"], model_dir)
-            and not (run["distributed"] in SHARDED and world > 1))
+            chunked=(plans_chunks(run["trainer"], fields, run["lora"], model_dir)
+                     or (spec.value_model and projection_alone(model_config)))  # snaketrl.train.ppo.bound_logits
+            and not (run["distributed"] in SHARDED and world > 1), value_model=spec.value_model)
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)

@@ -217,6 +217,10 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
                 split_rows(module, args.pad_to_multiple_of)
     if run["trainer"] in ("grpo", "rloo") and not plan.sharded:  # sharded weights are gathered by module hooks
         chunk_completion_logits(trainer)  # TRL's path unless a batch's completion logits exceed a chunk
+    if run["trainer"] == "ppo" and not plan.sharded:
+        from snaketrl.train.ppo import bound_logits as bound_ppo_logits
+
+        bound_ppo_logits(trainer)  # TRL's path unless an update's logits exceed a chunk
     if plan.unpadded:
         from snaketrl.train.cost import decoder
 
