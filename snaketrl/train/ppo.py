@@ -22,6 +22,13 @@ reward models score from their backbones (TRL's get_reward): no vocabulary there
 float rounding aside (tests/test_ppo_logits.py). Gemma 3 270M on a CPU, 4 rows of 32 completion tokens
 (bench/vocab_memory.py): peak resident memory 5.42 GiB against TRL's path's 5.94, the last update adding 1.08 GiB
 against 1.40.
+
+TRL's loop scores a completion with the reward model at its last token, the eos it was cut after. A reward model
+trained on chat turns (TRL's RewardTrainer renders them with the template) read every text to the template's end
+of turn, which for ChatML or Gemma goes on past eos (`<|im_end|>\n`). Scored at eos, a position no training text
+ended on, the reward model rewarded ending at once: on SmolLM2 PPO's completions scored 3.86 there and 1.68 read
+to the template's end, the base's 2.81 and 2.90 (docs/real-model.md). So where the run's prompts are chat turns,
+the reward model reads each completion that ended with eos to the template's end (`turn_end`, `with_turn_end`).
 """
 
 from __future__ import annotations
@@ -67,6 +74,32 @@ def unsampled_pad(tokenizer, logits: int):
 def logit_count(model) -> int:
     """How many ids `model` samples from: its output projection's features (its weight may be a ZeRO-3 shard)."""
     return model.get_output_embeddings().out_features
+
+
+def turn_end(tokenizer) -> list[int]:
+    """The token ids the tokenizer's chat template writes after eos at the end of an assistant turn ([] where it
+    writes none, or has no template): ChatML's "\n" after `<|im_end|>`."""
+    template, eos = getattr(tokenizer, "chat_template", None), tokenizer.eos_token
+    if not template or not eos:
+        return []
+    marker = "snaketrl-turn"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    end = text.find(eos, text.rfind(marker))
+    return [] if end < 0 else tokenizer(text[end + len(eos):], add_special_tokens=False).input_ids
+
+
+def with_turn_end(query_responses, context_length: int, eos: int, pad: int, tail: list[int]):
+    """`query_responses` (prompts of `context_length`, then responses cut after eos and padded) with `tail` written
+    after each response's first eos, the rows widened by pads where a tail would not fit."""
+    if not tail:
+        return query_responses
+    out = torch.cat([query_responses, query_responses.new_full((query_responses.shape[0], len(tail)), pad)], 1)
+    ends = (query_responses[:, context_length:] == eos).int().argmax(1) + context_length
+    for row, end in enumerate(ends.tolist()):
+        if query_responses[row, end] == eos:
+            out[row, end + 1:end + 1 + len(tail)] = out.new_tensor(tail)
+    return out
 
 
 def data_state_name(process_index: int) -> str:
@@ -247,6 +280,7 @@ class PPOTrainer(TRLPPOTrainer):
         if self._sample_every:
             self.sample_generations_freq = 1
         self._bounded = self._within = False  # bound_logits turns the first on; _bounding the second
+        self._turn_end: list[int] = []  # score_to_turn_end sets it
         self._entropies: list = []  # the trained passes' mean entropies since the last log, where bounded
 
     def _bounding(self):
@@ -262,6 +296,25 @@ class PPOTrainer(TRLPPOTrainer):
             stack.callback(setattr, trl_ppo, name, getattr(trl_ppo, name))
             setattr(trl_ppo, name, bounded(getattr(trl_ppo, name)))
         return stack
+
+    def _scoring_turns(self):
+        """Within: TRL's loop scores with the reward model through `_get_reward`, each completion read to its turn's
+        end (`score_to_turn_end`)."""
+        if not self._turn_end or getattr(trl_ppo.get_reward, "snaketrl_turns", False):
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.callback(setattr, trl_ppo, "get_reward", trl_ppo.get_reward)
+        trl_ppo.get_reward = self._get_reward(trl_ppo.get_reward)
+        return stack
+
+    def _get_reward(self, trl_function):
+        def get_reward(model, query_responses, pad_token_id, context_length):
+            if model is self.reward_model:  # not the value model, which reads every position of the rollout
+                query_responses = with_turn_end(query_responses, context_length, self.processing_class.eos_token_id,
+                                                pad_token_id, self._turn_end)
+            return trl_function(model, query_responses, pad_token_id, context_length)
+        get_reward.snaketrl_turns = True
+        return get_reward
 
     def _batch_generation(self, trl_function):
         def batch_generation(model, queries, forward_batch_size, pad_token_id, generation_config):
@@ -319,7 +372,7 @@ class PPOTrainer(TRLPPOTrainer):
     def generate_completions(self, sampling: bool = False):
         if sampling and (self.state.global_step - 1) % self._sample_every:
             return None
-        with self._autocast(), self._bounding():
+        with self._autocast(), self._bounding(), self._scoring_turns():
             return super().generate_completions(sampling=sampling)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
@@ -424,7 +477,7 @@ class PPOTrainer(TRLPPOTrainer):
         gc.freeze()
         self._training = True
         try:
-            with self._autocast(), self._bounding():
+            with self._autocast(), self._bounding(), self._scoring_turns():
                 super().train()
         except _Stop:  # left at the log or step end, before another update; the callbacks still hear the end
             self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
@@ -445,3 +498,9 @@ def bound_logits(trainer: PPOTrainer) -> None:
     """`trainer` (its weights whole in each process: not under FSDP or ZeRO-3, whose hooks gather them) bounds its
     logits as the module docstring says, where a batch's exceed a chunk."""
     trainer._bounded = True
+
+
+def score_to_turn_end(trainer: PPOTrainer) -> None:
+    """`trainer`'s reward model reads each completion that ended with eos to the end of its chat turn, as the module
+    docstring says: for a run whose prompts are chat turns."""
+    trainer._turn_end = turn_end(trainer.processing_class)

@@ -221,6 +221,10 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         from snaketrl.train.ppo import bound_logits as bound_ppo_logits
 
         bound_ppo_logits(trainer)  # TRL's path unless an update's logits exceed a chunk
+    if run["trainer"] == "ppo" and run.get("chat", False):
+        from snaketrl.train.ppo import score_to_turn_end
+
+        score_to_turn_end(trainer)  # the reward model reads a completion to its turn's end, as it was trained
     if plan.unpadded:
         from snaketrl.train.cost import decoder
 
