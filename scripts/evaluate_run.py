@@ -2,7 +2,7 @@ from snaketrl.imports import start_job
 
 start_job()  # first: before peft or transformers load
 
-from snaketrl.config.evaluation import JUDGE_PROMPTS, judge_prompt_sets  # noqa: E402
+from snaketrl.evaluate.kinds import JUDGE_PROMPTS, judge_prompt_sets  # noqa: E402
 from snaketrl.evaluate.job import evaluate  # noqa: E402
 from snaketrl.smk import logged  # noqa: E402
 

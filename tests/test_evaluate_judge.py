@@ -9,10 +9,11 @@ import yaml
 
 from conftest import ROOT
 from snaketrl import paths
-from snaketrl.config.evaluation import JUDGE_PROMPTS, check_evaluation, eval_job_inputs, eval_targets
+from snaketrl.config.evaluation import check_evaluation, eval_job_inputs, eval_targets
 from snaketrl.config.schema import validate
 from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.job import evaluate
+from snaketrl.evaluate.kinds import JUDGE_PROMPTS
 from snaketrl.evaluate.scoring import reward_model_scores, win_rate
 from snaketrl.evaluate.storage import collect
 from snaketrl.io import read_jsonl, write_jsonl

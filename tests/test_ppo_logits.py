@@ -5,33 +5,34 @@ import copy
 import json
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from snaketrl.train.run import train_run
 
 CHUNK = 8  # positions of logits per chunk: an update's 4 rows x ~50 positions run in tens of chunks
 VOCAB = 1024  # the tiny model's vocabulary (its widest layer is 128)
 
 
-class WidestOverVocabulary(TorchDispatchMode):
-    """The most rows (elements / VOCAB) of any tensor an operation returns over the vocabulary, forward and
-    backward: the generation's scores, the passes' logits, their softmax and gradients. Views are not counted
-    (the transposed output projection is one)."""
+def widest_over_vocabulary():
+    """A dispatch mode whose `rows` is the most rows (elements / VOCAB) of any tensor an operation returns over the
+    vocabulary, forward and backward: the generation's scores, the passes' logits, their softmax and gradients.
+    Views are not counted (the transposed output projection is one). Built here: collecting the tests imports no
+    torch."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self):
-        super().__init__()
-        self.rows = 0
+    class WidestOverVocabulary(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch
-
-        out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):
+                return out
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == VOCAB:
+                    self.rows = max(self.rows, tensor.numel() // VOCAB)
             return out
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == VOCAB:
-                self.rows = max(self.rows, tensor.numel() // VOCAB)
-        return out
+
+    return WidestOverVocabulary()
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -43,6 +44,7 @@ def test_bounded_logits_give_trls_updates(tmp_path, config, tiny_model_dir, rewa
     from trl.experimental.ppo import ppo_trainer
 
     from snaketrl.train import logps
+    from snaketrl.train.run import train_run
     from test_trainers import prepare
 
     logs, rollouts, widest = {}, {}, {}
@@ -62,7 +64,7 @@ def test_bounded_logits_give_trls_updates(tmp_path, config, tiny_model_dir, rewa
         monkeypatch.setattr(ppo_trainer, "batch_generation", recorded)
         if bounded:
             monkeypatch.setattr(logps, "CHUNK_BYTES", CHUNK * VOCAB * 4)
-        with WidestOverVocabulary() as mode:
+        with widest_over_vocabulary() as mode:
             train_run(**job)
         monkeypatch.undo()
         widest[name] = mode.rows

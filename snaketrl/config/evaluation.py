@@ -17,7 +17,8 @@ from snaketrl.config.resolve import chat_model, chat_prompts
 from snaketrl.data.preprocess import LAYOUTS
 from snaketrl.errors import ConfigError, close_match
 from snaketrl.evaluate.harness import check_lm_eval_tasks
-from snaketrl.evaluate.kinds import KINDS, reward_func_name, score_name
+from snaketrl.evaluate.kinds import (JUDGE_PROMPTS, KINDS, judge_chat, judge_prompt_sets, reward_func_name,
+                                     score_name)
 from snaketrl.remote_code import TRUSTED_JUDGES, param, trusted
 from snaketrl.trainers import REGISTRY
 
@@ -136,7 +137,6 @@ def _check_generation(gen: dict, key: str) -> None:
 
 # Where the checked section keeps the reward models that judge their own prompts: run -> those prompts
 # ({dataset, split, size, trainer, [chat], generation}), in evaluation.reward_models order.
-JUDGE_PROMPTS = "reward_model_prompts"
 JUDGE_KEYS = ("run", "prompts", "generation")
 
 
@@ -201,15 +201,6 @@ def _judge_prompts(own: list[tuple[int, dict]], ev: dict, runs: dict, datasets: 
             raise ConfigError(f"{key}: reward model '{entry['run']}' is listed twice")
         judged[run] = prompts
     return judged
-
-
-def judge_prompt_sets(ev: dict) -> dict[str, dict]:
-    """The reward models' own prompt sets, one per dataset (dataset -> its prompts, as check_evaluation keeps
-    them), in evaluation.reward_models order; empty where every reward model judges the yardstick's prompts."""
-    sets: dict[str, dict] = {}
-    for prompts in (ev.get(JUDGE_PROMPTS) or {}).values():
-        sets.setdefault(prompts["dataset"], prompts)
-    return sets
 
 
 def _with_defaults(section: dict) -> dict:
@@ -313,11 +304,6 @@ def eval_targets(ev: dict, runs: dict[str, dict]) -> dict[str, dict]:
             "kind": "base", "run": None, "model": run["model"], "trainer": "base", "seed": run["seed"],
             "reference": None, **extra})
     return dict(sorted(targets.items()))
-
-
-def judge_chat(dataset: str) -> str:
-    """How an eval target's `chat` names a reward model's own prompts that reach its model as chat turns."""
-    return f"{JUDGE_PROMPTS}:{dataset}"
 
 
 def eval_job_inputs(name: str, ev: dict, runs: dict[str, dict], targets: dict | None = None) -> dict:

@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from snaketrl.config.evaluation import JUDGE_PROMPTS, judge_chat, judge_prompt_sets
+from snaketrl.evaluate.kinds import JUDGE_PROMPTS, judge_chat, judge_prompt_sets
 from snaketrl.data.chat import as_chat, require_template
 from snaketrl.divergence import HINT, Diverged, finite
 from snaketrl.errors import ConfigError, DataError

@@ -40,3 +40,21 @@ def check_rows(rows: list[dict], kind: str, where: str) -> None:
     if missing:
         raise DataError(f"{where}: no column '{missing}' ({KINDS[kind]['for']} needs "
                         f"{', '.join(KINDS[kind]['needs'])}); columns are {list(rows[0])}")
+
+
+# Where check_evaluation keeps the reward models' own prompts (run -> prompts) in the evaluation settings.
+JUDGE_PROMPTS = "reward_model_prompts"
+
+
+def judge_prompt_sets(ev: dict) -> dict[str, dict]:
+    """The reward models' own prompt sets, one per dataset (dataset -> its prompts, as check_evaluation keeps
+    them), in evaluation.reward_models order; empty where every reward model judges the yardstick's prompts."""
+    sets: dict[str, dict] = {}
+    for prompts in (ev.get(JUDGE_PROMPTS) or {}).values():
+        sets.setdefault(prompts["dataset"], prompts)
+    return sets
+
+
+def judge_chat(dataset: str) -> str:
+    """How an eval target's `chat` names a reward model's own prompts that reach its model as chat turns."""
+    return f"{JUDGE_PROMPTS}:{dataset}"
