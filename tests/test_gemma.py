@@ -91,8 +91,9 @@ FIRST = {
     "orpo": [turns(*HH, "Six.") + "<|im_end|>", turns(*HH, "Seven.") + "<|im_end|>"],
     "reward": [turns("She walked into the room and saw a", "misty, delicate window."),
                turns("She walked into the room and saw a", "window.")],
-    "grpo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK] * 2,
-    "rloo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK] * 2,
+    # once for its 2 generations: the plan prefills each distinct prompt once (snaketrl.train.prefill)
+    "grpo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
+    "rloo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
     "ppo": [turns("Through the window they noticed a") + ASK],
 }
 PROMPT_IDS = {
