@@ -279,32 +279,25 @@ class PPOTrainer(TRLPPOTrainer):
         self._sample_every = self.sample_generations_freq if self.args.num_sample_generations > 0 else None
         if self._sample_every:
             self.sample_generations_freq = 1
-        self._bounded = self._within = False  # bound_logits turns the first on; _bounding the second
+        self._bounded = self._within = False  # bound_logits turns the first on; _patched the second
         self._turn_end: list[int] = []  # score_to_turn_end sets it
         self._entropies: list = []  # the trained passes' mean entropies since the last log, where bounded
 
-    def _bounding(self):
-        """Within: TRL's loop generates, runs its passes and scores through this trainer's bounded versions
-        (`bound_logits`), which keep TRL's own path where a tensor fits a chunk. It looks them up by name."""
-        if not self._bounded or self._within:  # generate_completions runs within train too
+    def _patched(self):
+        """Within: TRL's loop, which looks its functions up by name, runs this trainer's versions of them: the
+        bounded generation, passes and log-probs (`bound_logits`, TRL's own path where a tensor fits a chunk), and
+        the reward model reading each completion to its turn's end (`score_to_turn_end`)."""
+        patches = [("batch_generation", self._batch_generation), ("forward", self._forward),
+                   ("selective_log_softmax", self._selective_log_softmax)] if self._bounded else []
+        patches += [("get_reward", self._get_reward)] if self._turn_end else []
+        if not patches or self._within:  # generate_completions runs within train too
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         self._within = True
         stack.callback(setattr, self, "_within", False)
-        for name, bounded in (("batch_generation", self._batch_generation), ("forward", self._forward),
-                              ("selective_log_softmax", self._selective_log_softmax)):
+        for name, patch in patches:
             stack.callback(setattr, trl_ppo, name, getattr(trl_ppo, name))
-            setattr(trl_ppo, name, bounded(getattr(trl_ppo, name)))
-        return stack
-
-    def _scoring_turns(self):
-        """Within: TRL's loop scores with the reward model through `_get_reward`, each completion read to its turn's
-        end (`score_to_turn_end`)."""
-        if not self._turn_end or getattr(trl_ppo.get_reward, "snaketrl_turns", False):
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.callback(setattr, trl_ppo, "get_reward", trl_ppo.get_reward)
-        trl_ppo.get_reward = self._get_reward(trl_ppo.get_reward)
+            setattr(trl_ppo, name, patch(getattr(trl_ppo, name)))
         return stack
 
     def _get_reward(self, trl_function):
@@ -313,7 +306,6 @@ class PPOTrainer(TRLPPOTrainer):
                 query_responses = with_turn_end(query_responses, context_length, self.processing_class.eos_token_id,
                                                 pad_token_id, self._turn_end)
             return trl_function(model, query_responses, pad_token_id, context_length)
-        get_reward.snaketrl_turns = True
         return get_reward
 
     def _batch_generation(self, trl_function):
@@ -372,7 +364,7 @@ class PPOTrainer(TRLPPOTrainer):
     def generate_completions(self, sampling: bool = False):
         if sampling and (self.state.global_step - 1) % self._sample_every:
             return None
-        with self._autocast(), self._bounding(), self._scoring_turns():
+        with self._autocast(), self._patched():
             return super().generate_completions(sampling=sampling)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
@@ -477,7 +469,7 @@ class PPOTrainer(TRLPPOTrainer):
         gc.freeze()
         self._training = True
         try:
-            with self._autocast(), self._bounding(), self._scoring_turns():
+            with self._autocast(), self._patched():
                 super().train()
         except _Stop:  # left at the log or step end, before another update; the callbacks still hear the end
             self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
