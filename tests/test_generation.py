@@ -363,7 +363,7 @@ def test_compiled_decode_gives_trls_tokens_without_a_graph_break_and_counts_the_
     assert max(len(c) for c in eager) == 16 and eager_flops["forward_only_tokens"] > 4 * 16
     compile_decode(trainer, 64, "cpu")
     trainer.generation_config.compile_config.backend = "aot_eager"
-    counters.clear()
+    fresh_compile()
     compiled, compiled_flops = generate()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # the decode step, compiled once
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -400,6 +400,16 @@ def compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch, args, real
     return train_run(**inputs), inputs["out_dir"], compiled
 
 
+def fresh_compile():
+    """dynamo's counters from zero and its caches empty: a decode step another test in this process compiled (the
+    same tiny model and cache) would be reused, not counted."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def generation_config(trainer):
     """The generation config a trainer's decode reads: GRPO's own, PPO's policy's (TRL's loop builds one per call
     over it)."""
@@ -431,7 +441,7 @@ def test_a_planned_compiled_decode_trains_ppo_as_trls_eager_one(tmp_path, config
     plan_run = run_module.plan_run
     monkeypatch.setattr(run_module, "plan_run", lambda *a, **k: dataclasses.replace(plan_run(*a, **k),
                                                                                   compiled_decode=64))
-    counters.clear()
+    fresh_compile()
     metrics, out, [trainer] = compiled_train_run(tmp_path / "compiled", config, tiny_model_dir, monkeypatch, args,
                                                  trainer_name="ppo", reward_dir=tmp_path / "rm")
     config_ = generation_config(trainer)
@@ -462,7 +472,7 @@ def test_a_planned_compiled_decode_trains_as_trls_eager_one(tmp_path, config, ti
     plan_run = run_module.plan_run
     monkeypatch.setattr(run_module, "plan_run", lambda *a, **k: dataclasses.replace(plan_run(*a, **k),
                                                                                   compiled_decode=64))
-    counters.clear()
+    fresh_compile()
     metrics, out, compiled = compiled_train_run(tmp_path / "compiled", config, tiny_model_dir, monkeypatch, args)
     [trainer] = compiled
     config_ = trainer.generation_config
@@ -491,7 +501,7 @@ def test_a_grpo_job_on_a_gpu_compiles_its_decode_as_planned_and_trains(tmp_path,
 
     from torch._dynamo.utils import counters
 
-    counters.clear()
+    fresh_compile()
     metrics, out, compiled = compiled_train_run(tmp_path, config, tiny_model_dir, monkeypatch,
                                                 {**PER_TRAINER["grpo"], "max_steps": 8}, real=True)
     [trainer] = compiled
@@ -516,7 +526,7 @@ def test_a_ppo_job_on_a_gpu_compiles_its_decode_as_planned_and_trains(tmp_path, 
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(tmp_path / "rm")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "rm")
-    counters.clear()
+    fresh_compile()
     metrics, out, [trainer] = compiled_train_run(
         tmp_path, config, tiny_model_dir, monkeypatch,
         {**PER_TRAINER["ppo"], "per_device_train_batch_size": 4, "total_episodes": 32}, real=True,
@@ -540,7 +550,7 @@ def test_merged_generation_composes_with_a_compiled_decode(tiny_model_dir):
 
     model, tokenizer = lora_model(tiny_model_dir)
     inputs = prompts(tokenizer, n=4)
-    counters.clear()
+    fresh_compile()
     compile_config = CompileConfig(backend="aot_eager", fullgraph=True)
     compile_config._compile_all_devices = True
     compiled = {"cache_implementation": "static", "max_cache_len": 64, "compile_config": compile_config}
@@ -580,7 +590,7 @@ def test_ppos_generation_compiles_its_decode_from_the_policys_generation_config(
         set_seed(0)
         return batch_generation(model, queries, 2, tokenizer.pad_token_id, config)
 
-    counters.clear()
+    fresh_compile()
     eager, eager_logits = generate()
     assert counters["stats"]["unique_graphs"] == 0 and eager.shape[1] == queries.shape[1] + 16
     compile_policy_decode(model, 64, "cpu")
