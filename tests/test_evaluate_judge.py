@@ -3,6 +3,7 @@ and the runs trained against it were trained on, not the yardstick's."""
 
 import re
 import sqlite3
+from collections import Counter
 
 import pytest
 import yaml
@@ -11,6 +12,7 @@ from conftest import ROOT
 from snaketrl import paths
 from snaketrl.config.evaluation import check_evaluation, eval_job_inputs, eval_targets
 from snaketrl.config.schema import validate
+from snaketrl.data.fetch import fetch
 from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.job import evaluate
 from snaketrl.evaluate.kinds import JUDGE_PROMPTS
@@ -136,6 +138,26 @@ def test_the_schema_takes_both_forms_and_refuses_a_size_below_one():
     with pytest.raises(ConfigError, match=r"^config: evaluation\.reward_models\.1\.prompts\.size: 0 is less than "
                                           r"the minimum of 1$"):
         validate(config, str(ROOT / "config" / "schema.yaml"))
+
+
+def test_the_real_models_judge_reads_its_whole_held_out_split():
+    """config/smollm2.yaml: PPO's judge completes every row of descriptiveness' eval split, as get_dataset holds it
+    out (a size above the split would silently take fewer rows), and no row PPO or the reward model trains on. The
+    160 rows hold the sample's 5 openings, each several times (docs/real-model.md)."""
+    cfg = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
+    entry = cfg["datasets"]["descriptiveness"]
+    (judge,) = cfg["evaluation"]["reward_models"]
+    got = fetch("descriptiveness", {**entry, "files": str(ROOT / entry["files"].removeprefix("workflow:"))},
+                cfg["seed"])
+    assert (judge["run"], judge["prompts"]) == ("reward-smollm2", {"dataset": "descriptiveness", "size": 160})
+    assert (len(got.eval), len(got.train)) == (160, 240)
+    assert not {row_key(r) for r in got.eval} & {row_key(r) for r in got.train}
+    assert sorted(Counter(r["prompt"] for r in got.eval).values()) == [24, 30, 30, 36, 40]
+    assert {r["prompt"] for r in got.eval} == {r["prompt"] for r in got.train}
+
+
+def row_key(row: dict) -> tuple:
+    return row["prompt"], row["chosen"], row["rejected"]
 
 
 # --- The eval job ----------------------------------------------------------------------------------------------
