@@ -590,6 +590,20 @@ def test_eval_rows_are_checked_before_any_model_loads(tmp_path, datasets):
                    out_completions=tmp_path / "c.jsonl", out_metrics=tmp_path / "m.json")
 
 
+def test_an_eval_size_beyond_its_split_is_refused_before_any_model_loads(tmp_path, datasets):
+    # 3 held-out rows for a size of 5: comparing on 3 would pass for the configured 5.
+    write_jsonl([{"prompt": f"p{i}"} for i in range(3)], tmp_path / "prompts.jsonl")
+    settings = check_evaluation({"prompts": {"dataset": "tldr", "size": 5}}, _runs(), datasets)
+    with pytest.raises(DataError) as err:
+        evaluate(target={"run": "sft-x", "model": "m", "trainer": "sft"}, settings=settings,
+                   model_dir=tmp_path / "no-model", prompts_file=tmp_path / "prompts.jsonl",
+                   out_completions=tmp_path / "c.jsonl", out_metrics=tmp_path / "m.json")
+    assert str(err.value) == (f"evaluate sft-x: evaluation.prompts.size is 5, but the eval split of dataset 'tldr' "
+                              f"({tmp_path / 'prompts.jsonl'}) holds 3 rows; set evaluation.prompts.size to at most "
+                              f"3, or raise datasets.tldr.eval_size")
+    assert not (tmp_path / "c.jsonl").exists()
+
+
 def test_eval_targets_add_base_jobs_and_references(datasets):
     ev = check_evaluation({"prompts": "tldr", "runs": ["ppo-qwen2-tiny", "dpo-qwen2-tiny"]}, _runs(), datasets)
     targets = eval_targets(ev, _runs())

@@ -28,9 +28,14 @@ from snaketrl.remote_code import TRUSTED_JUDGES, trusted
 log = logging.getLogger("snaketrl.evaluate")
 
 
-def _rows(path, kind: str, size, where: str) -> list[dict]:
+def _rows(path, kind: str, size, where: str, key: str, dataset: str) -> list[dict]:
+    """The first `size` rows of an eval split (all without a size). A size beyond the split is refused: a
+    comparison on fewer rows than configured would pass for the configured one."""
     rows = read_jsonl(path)
     check_rows(rows, kind, f"{where}: {path}")
+    if size and len(rows) < size:
+        raise DataError(f"{where}: {key} is {size}, but the eval split of dataset '{dataset}' ({path}) holds "
+                        f"{len(rows)} rows; set {key} to at most {len(rows)}, or raise datasets.{dataset}.eval_size")
     return rows[:size] if size else rows
 
 
@@ -143,7 +148,8 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     # the kinds whose dataset's prompts it reads so; snaketrl.config.evaluation.eval_targets).
     chat = set(target.get("chat", []))
     files = {"prompts": prompts_file, "references": references_file, "pairs": pairs_file}
-    rows_of = {kind: _rows(path, kind, settings[kind]["size"], where) for kind, path in files.items() if path}
+    rows_of = {kind: _rows(path, kind, settings[kind]["size"], where, f"evaluation.{kind}.size",
+                           settings[kind]["dataset"]) for kind, path in files.items() if path}
     rows_of = {kind: as_chat(rows) if kind in chat else rows for kind, rows in rows_of.items()}
     prompts_rows, ref_rows, pair_rows = (rows_of.get(kind) for kind in files)
     sets = judge_prompt_sets(settings)
@@ -151,7 +157,8 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
     missing = sorted(sets.keys() - set_files.keys())
     if missing:
         raise ConfigError(f"{where}: no prepared prompts of dataset '{missing[0]}', which a reward model judges on")
-    set_rows = {d: _rows(set_files[d], "prompts", p["size"], where) for d, p in sets.items()}
+    set_rows = {d: _rows(set_files[d], "prompts", p["size"], where, "evaluation.reward_models[].prompts.size", d)
+                for d, p in sets.items()}
     set_rows = {d: as_chat(rows) if judge_chat(d) in chat else rows for d, rows in set_rows.items()}
     reference = read_jsonl(reference_completions) if reference_completions else None
     if reference is not None and (prompts_rows is not None or set_rows):
