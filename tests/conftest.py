@@ -96,8 +96,8 @@ def config():
 
 def base_samples():
     """The shipped samples a tiny test model and tokenizer learn from: one file per generator of
-    snaketrl.data.samples, not the prompt sets derived from them (arithmetic_carry), so a new prompt set leaves the
-    tiny model, and every threshold measured on it, as it was."""
+    snaketrl.data.samples, not the prompt sets derived from them (arithmetic_carry, arithmetic_mixed), so a new prompt
+    set leaves the tiny model, and every threshold measured on it, as it was."""
     from snaketrl.data.samples import GENERATORS
 
     return sorted(ROOT / "data" / "samples" / f"{name}.jsonl" for name in GENERATORS)

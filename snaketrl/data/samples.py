@@ -126,12 +126,15 @@ def sum_row(name: str, item: str, a: int, b: int) -> dict:
     }
 
 
+OPERANDS = range(2, 41)    # the arithmetic sample's operands, and its derived prompt sets
+
+
 def arithmetic(n: int, rng: random.Random) -> list[dict]:
     """openai/gsm8k: question/answer, the final number after `####` (verifiable rewards)."""
     rows = []
     for _ in range(n):
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
-        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        a, b = rng.randint(OPERANDS.start, OPERANDS.stop - 1), rng.randint(OPERANDS.start, OPERANDS.stop - 1)
         rows.append(sum_row(name, item, a, b))
     return rows
 
@@ -141,16 +144,38 @@ def sum_operands(rows: list[dict]) -> set[frozenset]:
     return {frozenset(map(int, row["answer"].split("<<")[1].split("=")[0].split("+"))) for row in rows}
 
 
+def carries(a: int, b: int) -> bool:
+    """Whether the units of a + b carry into the tens."""
+    return a % 10 + b % 10 >= 10
+
+
+def unseen_sums(n: int, rng: random.Random, taken: set[frozenset], carry: bool, sample: str) -> list[tuple[int, int]]:
+    """n distinct ordered operand pairs of the arithmetic range whose units carry (`carry`) or do not, none of them
+    one of `taken` in either order. `sample` names the prompt set in the error."""
+    pairs = [(a, b) for a in OPERANDS for b in OPERANDS if carries(a, b) == carry and frozenset((a, b)) not in taken]
+    if n > len(pairs):
+        kind = "carrying" if carry else "non-carrying"
+        raise ValueError(f"{sample}: {n} {kind} rows asked for, {len(pairs)} {kind} sums not in the arithmetic sample")
+    return rng.sample(pairs, n)
+
+
 def arithmetic_carry(n: int, rng: random.Random, taken: set[frozenset]) -> list[dict]:
     """The arithmetic task (same operand range, same form) on sums whose units carry: the sums a model trained on
     the arithmetic sample most often gets wrong, so a group of its sampled answers has reward spread (GRPO's
     signal). No pair of operands is one of `taken` (the arithmetic sample's, held-out rows included), in either
     order, so its held-out questions stay unseen."""
-    pairs = [(a, b) for a in range(2, 41) for b in range(2, 41)
-             if a % 10 + b % 10 >= 10 and frozenset((a, b)) not in taken]
-    if n > len(pairs):
-        raise ValueError(f"arithmetic_carry: {n} rows asked for, {len(pairs)} carrying sums not in the arithmetic sample")
-    return [sum_row(rng.choice(NAMES), rng.choice(ITEMS), a, b) for a, b in rng.sample(pairs, n)]
+    return [sum_row(rng.choice(NAMES), rng.choice(ITEMS), a, b)
+            for a, b in unseen_sums(n, rng, taken, True, "arithmetic_carry")]
+
+
+def arithmetic_mixed(n: int, rng: random.Random, taken: set[frozenset]) -> list[dict]:
+    """As `arithmetic_carry`, but half the sums carry and half do not, in random order: trained on carrying sums
+    alone, GRPO learned to carry everywhere (docs/real-model.md, the fourth try); beside sums that do not carry, a
+    carry added where none belongs scores below its group's right answers."""
+    pairs = (unseen_sums(n // 2, rng, taken, True, "arithmetic_mixed")
+             + unseen_sums(n - n // 2, rng, taken, False, "arithmetic_mixed"))
+    rng.shuffle(pairs)
+    return [sum_row(rng.choice(NAMES), rng.choice(ITEMS), a, b) for a, b in pairs]
 
 
 GENERATORS = {"tldr": tldr, "ultrafeedback": ultrafeedback, "descriptiveness": descriptiveness, "firefly": firefly,
@@ -164,8 +189,8 @@ def write_samples(out_dir: str | Path, n: int = 400, seed: int = 0) -> list[Path
     written = {}
     for name, gen in GENERATORS.items():
         written[name] = gen(n, random.Random(f"{seed}-{name}"))
-    written["arithmetic_carry"] = arithmetic_carry(n, random.Random(f"{seed}-arithmetic_carry"),
-                                                   sum_operands(written["arithmetic"]))
+    for name, derive in (("arithmetic_carry", arithmetic_carry), ("arithmetic_mixed", arithmetic_mixed)):
+        written[name] = derive(n, random.Random(f"{seed}-{name}"), sum_operands(written["arithmetic"]))
     for name, rows in written.items():
         path = out_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
