@@ -195,3 +195,11 @@ def test_a_tie_says_how_many_seeds_or_prompts_would_settle_it(tmp_path):
     n = math.ceil((1.959963984540054 + 0.8416212335729143) ** 2 * diff.var(ddof=1) / diff.mean() ** 2)
     assert d.low < 0 < d.high and (d.unit, d.needed) == ("prompts", n)
     assert f"a difference this size would need about {n:,} prompts (has {P})" in section["first"]["sentences"][1]
+
+
+def test_a_bound_at_float_noise_above_zero_is_written_with_its_sign():
+    # A paired bound of 1e-17 (equal scores summed in another order) shows as "<0.001"; it once crashed the report.
+    assert intervals.signed(1e-17, "float", 3) == "+<0.001"
+    assert intervals.signed(-1e-17, "float", 3) == "−<0.001"
+    assert intervals.signed(0.0, "float", 3) == "0.000"
+    assert intervals.signed(-0.5, "percent", None) == "−50.0"

@@ -173,7 +173,9 @@ def signed(value: float, kind: str, decimals: int | None) -> str:
     from snaketrl.report.format import spread
 
     text = spread(abs(value), kind, decimals)
-    return text if float(text.replace(",", "")) == 0 else ("+" if value > 0 else "−") + text
+    # Zero as shown gets no sign; "<0.001" (a bound at float noise above zero) keeps its sign.
+    shown_zero = not any(c in "123456789" for c in text)
+    return text if shown_zero else ("+" if value > 0 else "−") + text
 
 
 def describe(d: Difference, kind: str, decimals: int | None) -> str:
