@@ -30,6 +30,7 @@ from snaketrl.train.head import contiguous_head
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
+from snaketrl.train.logps import TRAINERS as CHUNKED_COMPLETIONS
 from snaketrl.train.logps import chunk_completion_logits
 from snaketrl.train.packed import pack_for_generation
 from snaketrl.train.prefill import dedupe_prefill
@@ -215,7 +216,7 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         for module in (trainer.model, getattr(trainer, "ref_model", None)):  # and a separate reference model
             if module is not None:
                 split_rows(module, args.pad_to_multiple_of)
-    if run["trainer"] in ("grpo", "rloo") and not plan.sharded:  # sharded weights are gathered by module hooks
+    if run["trainer"] in CHUNKED_COMPLETIONS and not plan.sharded:  # sharded weights are gathered by module hooks
         chunk_completion_logits(trainer)  # TRL's path unless a batch's completion logits exceed a chunk
     if run["trainer"] == "ppo" and not plan.sharded:
         from snaketrl.train.ppo import bound_logits as bound_ppo_logits
