@@ -25,7 +25,7 @@ from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.processes import give_back_freed_memory
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
-from snaketrl.train.generation import compile_decode, merge_for_generation
+from snaketrl.train.generation import GENERATES, compile_decode, merge_for_generation, merge_rows_for_generation
 from snaketrl.train.head import contiguous_head
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
@@ -241,6 +241,9 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         pack_for_generation(trainer, run["trainer"])
     if plan.deduped_prefill:
         dedupe_prefill(trainer, run["trainer"])
+    if lora.get("trainable_token_indices") and run["trainer"] in GENERATES:
+        # outermost, so that generation's packed copies (packed.py) are of the merged rows
+        merge_rows_for_generation(trainer, run["trainer"])
     if plan.compiled_decode:
         compile_decode(trainer, plan.compiled_decode, plan.device)
     return trainer
