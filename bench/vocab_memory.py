@@ -87,6 +87,7 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     from transformers import AutoTokenizer, TrainerCallback
 
     from snaketrl.config import resolve_runs
+    from snaketrl.models.chat_template import trains_added_rows
     from snaketrl.data.lengths import tokenize_prompts
     from snaketrl.data.preprocess import preprocess
     from snaketrl.io import read_jsonl, write_jsonl
@@ -181,15 +182,16 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
     # as the plan counts them (not under --trl-logits)
-    chunked = (trainer in TRAINERS or spec.value_model) and logps.CHUNK_BYTES < 2 ** 62
-    value = spec.value_model
+    chunked = (trainer in TRAINERS or trainer in logps.TRAINERS or spec.value_model) and logps.CHUNK_BYTES < 2 ** 62
+    value, kept = spec.value_model, trainer in logps.TRAINERS
+    rows = trains_added_rows(policy, run["lora"])
+    # positions in proportion to the step's tokens (GRPO's and RLOO's completions run to their cap whatever the
+    # prompts); KTO's KL forward runs without gradient and is left out of the step's tokens
+    trained = projected if kept else widest[0] * projected // tokens
     return {"trainer": trainer, "tokens": tokens,
-            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked, value),
+            "estimate": activation_bytes(shape, tokens, size, projected, upcast, chunked, value, kept, rows),
             "trained_tokens": widest[0],
-            # positions in proportion to the step's tokens; KTO's KL forward runs without gradient and is left out
-            # of the step's tokens
-            "estimate_trained": activation_bytes(shape, widest[0], size, widest[0] * projected // tokens, upcast,
-                                                 chunked, value),
+            "estimate_trained": activation_bytes(shape, widest[0], size, trained, upcast, chunked, value, kept, rows),
             "estimate_before": activation_bytes(shape, widest[0], size),
             "start_rss": start["rss"], "peak": max(peak, start.get("first_peak", 0)),
             "added": max(peak, start.get("first_peak", 0)) - start["rss"],

@@ -2,10 +2,12 @@
 eager unmerged generation, the exact base weights back for the trained pass, the same GRPO losses, and the plan's
 rules."""
 
+import contextlib
 import dataclasses
 
 import learning
 import pytest
+from unittest import mock
 
 from conftest import ROOT
 from snaketrl.io import read_jsonl
@@ -600,3 +602,50 @@ def test_ppos_generation_compiles_its_decode_from_the_policys_generation_config(
     assert torch.equal(compiled, eager)
     assert torch.allclose(logits, eager_logits, atol=1e-4)
     assert config.cache_implementation is None  # PPO's own config untouched: the model's filled the call's copy
+
+
+@pytest.mark.parametrize("bf16_packed", [False, True])
+def test_generation_with_trained_rows_merged_gives_the_same_tokens_without_a_weight_copy_a_step(tmp_path,
+                                                                                               bf16_packed):
+    """A chat template's added tokens train as rows of the tied embeddings and head (peft's trainable tokens), whose
+    layers build the whole weight at every forward: two copies a decode step. Merged for the generation
+    (merged(rows_only=True), outside generation's packed weights as run.py orders them), none within; the same
+    tokens, greedy and sampled under a seed, prompts with the added tokens in them; afterwards the original weight
+    tensor again, and the rows' forward as before."""
+    import torch
+    from test_logps import ADDED, trained_rows_model
+
+    from snaketrl.train.generation import merged
+    from snaketrl.train.packed import packed
+
+    model = trained_rows_model(tmp_path).eval()
+    if bf16_packed:
+        model = model.to(torch.bfloat16)
+    embeddings = model.get_input_embeddings()
+    weight = embeddings.token_adapter.base_layer.weight
+    original, storage = weight.detach().clone(), weight.data.data_ptr()
+    ids = torch.tensor([[ADDED[0], 5, 6, 7, ADDED[1]], [ADDED[0], 9, 10, 11, ADDED[1]]])
+    copies, index_copy = [], torch.Tensor.index_copy
+
+    def counted(self, *args, **kwargs):
+        copies.append(self.shape)
+        return index_copy(self, *args, **kwargs)
+
+    out = {}
+    for rows_merged in (False, True):
+        for sample in (False, True):
+            copies.clear()
+            torch.manual_seed(3)
+            outer = merged(model, rows_only=True) if rows_merged else contextlib.nullcontext()
+            inner = packed(model) if bf16_packed else contextlib.nullcontext()
+            with outer, inner, torch.no_grad(), mock.patch.object(torch.Tensor, "index_copy", counted):
+                out[rows_merged, sample] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                          max_new_tokens=12, do_sample=sample, top_k=0,
+                                                          pad_token_id=0)
+            out[rows_merged, sample, "copies"] = len(copies)
+    for sample in (False, True):
+        assert torch.equal(out[True, sample], out[False, sample])
+        assert out[True, sample, "copies"] == 0  # merged before: the embeddings' and the tied head's, once
+        assert out[False, sample, "copies"] >= 2 * 12  # both layers at every step
+    assert weight.data.data_ptr() == storage and torch.equal(weight, original) and not embeddings.token_adapter.merged
+    assert not model.get_output_embeddings().token_adapter.merged

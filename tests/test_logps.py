@@ -158,3 +158,128 @@ def test_chunks_keep_their_logits_below_kept_logits_bytes_and_recompute_them_abo
     assert once == [24, 24, 24, 8] and sorted(twice) == sorted(once * 2)
     assert torch.equal(lp, lp2) and len(grads) == 8
     assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+
+
+ADDED = (VOCAB, VOCAB + 1)  # a chat template's two added tokens: rows beyond the base vocabulary
+
+
+def trained_rows_model(tmp_path):
+    """The tiny LoRA model as run.py builds a model a chat template gave two tokens: its embeddings resized, the
+    tokens' rows trainable in the (tied) embeddings and output projection (snaketrl.models.chat_template
+    .trainable_tokens: peft's trainable_token_indices, which wraps the head), and those rows trained away from
+    their originals, as after some steps."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketrl.models.chat_template import trainable_tokens, write_record
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    model.resize_token_embeddings(VOCAB + len(ADDED))
+    write_record({"added_tokens": {"<|im_start|>": ADDED[0], "<|im_end|>": ADDED[1]}}, tmp_path)
+    lora = trainable_tokens(model, tmp_path, {"r": 4, "target_modules": ["q_proj", "v_proj"],
+                                              "init_lora_weights": False})
+    assert lora["trainable_token_indices"] == {"embed_tokens": list(ADDED), "lm_head": list(ADDED)}
+    model = get_peft_model(model, LoraConfig(**lora))
+    (delta,) = [p for n, p in model.named_parameters() if "trainable_tokens_delta" in n]
+    with torch.no_grad():
+        delta.copy_(torch.randn(delta.shape, generator=torch.Generator().manual_seed(3)))
+    assert type(model.get_output_embeddings()).__name__ == "TrainableTokensWrapper"
+    return model
+
+
+def trained_row_ids():
+    """Prompts and completions with the added tokens among them: ChatML's markers, as a chat template writes them."""
+    import torch
+
+    ids = torch.randint(0, VOCAB, (ROWS, PROMPT + KEEP), generator=torch.Generator().manual_seed(1))
+    ids[:, 0], ids[:, PROMPT - 1] = ADDED[0], ADDED[1]
+    ids[:, PROMPT + 3], ids[:, -1] = ADDED[0], ADDED[1]  # completion tokens scored: the trained rows' logits
+    return ids
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("trainer_class", ["GRPOTrainer", "RLOOTrainer"])
+def test_chunks_project_with_the_trained_rows_of_a_wrapped_head(trainer_class, recompute, tmp_path, monkeypatch):
+    """A head whose added tokens' rows train (peft wraps it): the chunked log-probs, entropies and every gradient,
+    the trained rows' among them, are TRL's unchunked path's, whether chunks keep their logits or recompute them.
+    A projection by the base layer's weight (the rows as they were) gives other log-probs at the added tokens and
+    other gradients of the rows: the test checks it does."""
+    import torch
+    import trl
+
+    from snaketrl.train import logps
+
+    cls = getattr(trl, trainer_class)
+    monkeypatch.setattr(logps, "CHUNK_BYTES", 24 * VOCAB * 4)  # chunks of 24 of the 80 positions
+    if recompute:
+        monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", 24 * VOCAB * 4)
+    ids, weights = trained_row_ids(), torch.randn(ROWS, KEEP, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    results = {}
+    for mode in ("trl", "chunked", "base rows"):
+        model = trained_rows_model(tmp_path)
+        trainer = fake_trainer(cls, model)
+        head = model.get_output_embeddings()
+        if mode != "trl":
+            logps.chunk_completion_logits(trainer)
+        if mode == "base rows":  # what a path that ignored the wrapper would project with
+            head.forward = lambda h, base=head.original_module: base(h)
+        lp, entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, KEEP, compute_entropy=True)
+        (lp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[mode] = lp.detach(), entropy, grads
+    (lp, entropy, grads), (lp2, entropy2, grads2), (lp3, _, grads3) = results.values()
+    assert len(grads) == len(grads2) == 9  # 8 LoRA matrices and the added rows' delta
+    delta = next(n for n in grads if "trainable_tokens_delta" in n)
+    assert grads[delta].shape == (len(ADDED), 16) and grads[delta].abs().min() > 0
+    torch.testing.assert_close(lp2, lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy2, entropy, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], rtol=1e-4, atol=1e-6)
+    # the base rows: the added tokens' log-probs and the rows' gradients differ far beyond the tolerance
+    added = (ids[:, -KEEP:] == ADDED[0]) | (ids[:, -KEEP:] == ADDED[1])
+    assert added.sum() == 2 * ROWS and ((lp3 - lp)[added].abs() > 0.1).all()
+    assert not torch.allclose(grads3[delta], grads[delta], rtol=1e-2, atol=1e-3)
+
+
+def test_ppo_chunks_project_with_the_trained_rows_of_a_wrapped_head(tmp_path):
+    """PPO's bounded pass (snaketrl.train.ppo: the hidden states where TRL's loop expects logits, projected a chunk
+    at a time by the head's own forward, recomputed in the backward pass) on a head with trained rows: TRL's
+    log-probs of the responses from every position's logits, and the same gradients, the rows' among them; not
+    those of the base layer's rows."""
+    import torch
+    from trl.trainer.utils import selective_log_softmax
+
+    from snaketrl.train.logps import without_projection
+    from snaketrl.train.ppo import _Hidden
+
+    ids, temperature = trained_row_ids(), 0.7 + 1e-7
+    responses = ids[:, PROMPT:]
+    results = {}
+    for mode in ("trl", "bounded", "base rows"):
+        model = trained_rows_model(tmp_path)
+        head = model.get_output_embeddings()
+        if mode != "trl":
+            with without_projection(head) as autocast:
+                hidden = model(input_ids=ids, use_cache=False).logits
+            stand_in = hidden.new_zeros(*ids.shape, 1)
+            project = head if mode == "bounded" else head.original_module  # the rows as they were
+            lp = _Hidden(hidden, project, autocast[0]).logps(stand_in[:, PROMPT - 1:-1], responses, temperature, [])
+        else:  # TRL's loop: every position's logits, sliced, divided, log-softmaxed
+            logits = model(input_ids=ids, use_cache=False).logits[:, PROMPT - 1:-1] / temperature
+            lp = selective_log_softmax(logits, responses)
+        lp.sum().backward()
+        results[mode] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    (lp, grads), (lp2, grads2), (lp3, grads3) = results.values()
+    assert lp.shape == (ROWS, KEEP) and len(grads) == 9
+    torch.testing.assert_close(lp2, lp, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads2[name], grads[name], rtol=1e-4, atol=1e-6)
+    added = (responses == ADDED[0]) | (responses == ADDED[1])
+    delta = next(n for n in grads if "trainable_tokens_delta" in n)
+    assert ((lp3 - lp)[added].abs() > 0.1).all() and not torch.allclose(grads3[delta], grads[delta], rtol=1e-2,
+                                                                         atol=1e-3)

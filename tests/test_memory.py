@@ -95,7 +95,8 @@ def test_sft_estimate_counts_the_label_logits_and_the_fp32_head_copy(dtype, monk
 
 def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     """A reward model's score head projects onto no vocabulary; ORPO one and a half times every position; SFT every
-    position and the fp32 head copy; GRPO every position (an upper bound: its completions, chunked)."""
+    position and the fp32 head copy; GRPO and RLOO their completions, chunked, each chunk keeping its logits (and, on
+    a head with trained rows, its weight copy) up to logps.KEPT_LOGITS_BYTES."""
     from types import SimpleNamespace
 
     from snaketrl.train.memory import activation_bytes
@@ -105,8 +106,9 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     gemma = {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "vocab_size": 262144}
     fields = SimpleNamespace(per_device_train_batch_size=16, max_completion_length=32)
     assert projected_tokens("reward", REGISTRY["reward"], fields, 256) == 0
-    assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256) == forward_tokens(REGISTRY["grpo"], fields, 256) \
-        == 16 * (256 + 32)
+    assert forward_tokens(REGISTRY["grpo"], fields, 256) == 16 * (256 + 32)
+    assert projected_tokens("grpo", REGISTRY["grpo"], fields, 256) == projected_tokens(
+        "rloo", REGISTRY["rloo"], fields, 256) == 16 * 32  # the completions (logits_to_keep)
     assert projected_tokens("sft", REGISTRY["sft"], fields, 256) == 16 * 256
     # a preference pair is two rows
     assert projected_tokens("kto", REGISTRY["kto"], fields, 256) == 2 * 16 * 256
@@ -117,6 +119,17 @@ def test_the_estimate_counts_logits_where_each_trainer_computes_them():
     # DPO, KTO and ORPO project 64 positions of Gemma's vocabulary at a time (64 MiB of fp32 logits): four copies
     assert activation_bytes(gemma, 4096, 2, chunked=True) == 4096 * layers + 16 * 262144 * 64
     assert activation_bytes(gemma, 4096, 2, projected=40, chunked=True) == 4096 * layers + 16 * 262144 * 40
+    # GRPO's 16 x 32 completion positions: 8 chunks of 64, within KEPT_LOGITS_BYTES (256 positions' worth) no more:
+    # a chunk at a time, as DPO's; 4 x 32 keep the first chunk's logits (one fp32 copy) beside the last one's four
+    assert activation_bytes(gemma, 4608, 2, 512, chunked=True, kept=True) == 4608 * layers + 16 * 262144 * 64
+    assert activation_bytes(gemma, 4608, 2, 128, chunked=True, kept=True) == \
+        4608 * layers + 16 * 262144 * 64 + 4 * 262144 * 64
+    # a head with trained rows (ChatML's added tokens): a bf16 weight copy per chunk kept, one where recomputed
+    head = 262144 * 640 * 2
+    assert activation_bytes(gemma, 4608, 2, 128, chunked=True, kept=True, trained_rows=True) == \
+        4608 * layers + 16 * 262144 * 64 + 4 * 262144 * 64 + 2 * head
+    assert activation_bytes(gemma, 4608, 2, 512, chunked=True, kept=True, trained_rows=True) == \
+        4608 * layers + 16 * 262144 * 64 + head
     # PPO's value model runs the same tokens: its layers count again
     assert activation_bytes(gemma, 4096, 2, chunked=True, value_model=True) == 2 * 4096 * layers + 16 * 262144 * 64
 
@@ -160,3 +173,48 @@ def test_a_chunked_step_measures_the_estimate_of_its_chunks():
     assert measured[False] > 2.9 * measured[True]  # every position's logits at once
     # the unchunked count (12 bytes per entry) for every position is short of TRL's path
     assert activation_bytes(shape, rows * width, 4) / measured[False] < 0.8
+
+
+@pytest.mark.parametrize("trained_rows", [False, True])
+@pytest.mark.parametrize("kept", [True, False])
+def test_grpos_chunked_step_measures_its_estimate(kept, trained_rows, tmp_path, monkeypatch):
+    """GRPO's trained pass (snaketrl.train.logps) over 8 x 48 completion positions, 6 chunks of 64: below
+    KEPT_LOGITS_BYTES every chunk keeps its fp32 logits for the backward pass, which holds the last one's four
+    copies; above it, one chunk's four copies at a time. On a head whose added tokens' rows train (peft's wrapper
+    builds the whole weight at each projection) each chunk kept keeps its weight copy too, one at a time where
+    recomputed. The estimate for the completion positions against every tensor alive at once."""
+    import torch
+    import trl
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketrl.models.chat_template import trainable_tokens, write_record
+    from snaketrl.train import logps
+    from snaketrl.train.memory import activation_bytes
+    from test_logps import fake_trainer
+
+    rows, prompt, keep = 8, 16, 48
+    monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", logps.KEPT_LOGITS_BYTES if kept else 2 ** 20)
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    if trained_rows:
+        model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
+        shape["vocab_size"] = VOCAB + 2
+        write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
+        lora = trainable_tokens(model, tmp_path, lora)
+    model = get_peft_model(model, LoraConfig(**lora))
+    trainer = fake_trainer(trl.GRPOTrainer, model)
+    logps.chunk_completion_logits(trainer)
+    ids = torch.randint(0, VOCAB, (rows, prompt + keep), generator=torch.Generator().manual_seed(1))
+    with PeakLive(model) as peak:
+        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), keep)
+        lp.sum().backward()
+    assert logps.keeps_too_much(rows * keep, VOCAB) is not kept
+    estimate = activation_bytes(shape, ids.numel(), 4, rows * keep, chunked=True, kept=True,
+                                trained_rows=trained_rows)
+    assert 0.95 <= estimate / peak.peak < 1.1, (estimate, peak.peak)  # 0.998 to 1.05 measured
+    if kept or trained_rows:  # the chunk count of DPO's alone falls short
+        assert activation_bytes(shape, ids.numel(), 4, rows * keep, chunked=True) / peak.peak < 0.85

@@ -101,7 +101,8 @@ def test_a_reward_model_that_ships_its_code_is_loaded_with_it(tmp_path, config, 
 
 def test_ppo_counts_one_chunk_of_logits_and_its_value_models_layers(tmp_path, config, tiny_model_dir, monkeypatch):
     """PPO's trained pass projects a chunk at a time (snaketrl.train.ppo.bound_logits) and runs the value model on the
-    same tokens; a model whose logits are softcapped keeps TRL's path, every position's logits at once."""
+    same tokens; GRPO's its completions in chunks that keep their logits up to logps.KEPT_LOGITS_BYTES; a model whose
+    logits are softcapped keeps TRL's path, every position's logits at once."""
     import shutil
 
     from snaketrl.train import plan as planning
@@ -113,7 +114,13 @@ def test_ppo_counts_one_chunk_of_logits_and_its_value_models_layers(tmp_path, co
     shutil.copytree(tiny_model_dir, softcapped)
     model_config = json.loads((softcapped / "config.json").read_text())
     (softcapped / "config.json").write_text(json.dumps({**model_config, "final_logit_softcapping": 30.0}))
+    chatml = tmp_path / "chatml"  # a template's added tokens: their rows train in a wrapped head
+    shutil.copytree(tiny_model_dir, chatml)
+    (chatml / "chat_template.json").write_text(json.dumps({"added_tokens": {"<|im_start|>": 1024}}))
     for name, trainer, model in (("ppo", "ppo", tiny_model_dir), ("capped", "ppo", softcapped),
-                                 ("grpo", "grpo", tiny_model_dir)):
+                                 ("grpo", "grpo", tiny_model_dir), ("grpo-capped", "grpo", softcapped),
+                                 ("grpo-chatml", "grpo", chatml)):
         plan_of(tmp_path / name, config, model, trainer, Device("cpu", False, 64 * GIB))
-    assert [(k["chunked"], k["value_model"]) for k in seen] == [(True, True), (False, True), (False, False)]
+    assert [(k["chunked"], k["value_model"], k["kept"], k["trained_rows"]) for k in seen] == [
+        (True, True, False, False), (False, True, False, False), (True, False, True, False),
+        (False, False, True, False), (True, False, True, True)]

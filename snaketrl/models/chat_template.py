@@ -203,6 +203,14 @@ def trainable_tokens(model, model_dir, lora: dict) -> dict:
     return {**lora, "trainable_token_indices": indices} if indices else lora
 
 
+def trains_added_rows(model_dir, lora: dict) -> bool:
+    """Whether the run trains rows a chat template added as rows of the output projection (trainable_tokens), as far
+    as a plan sees before the model loads: added tokens recorded, and the head (transformers' `lm_head`) not trained
+    whole by lora.modules_to_save."""
+    return bool((read_record(model_dir) or {}).get("added_tokens")) and "lm_head" not in set(
+        lora.get("modules_to_save") or [])
+
+
 def layer_name(model, layer) -> str | None:
     """A layer's own name (embed_tokens, lm_head), as peft's trainable_token_indices names it."""
     if layer is None:

@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import types
 
+# The trainers whose completion log-probs this module computes.
+TRAINERS = ("grpo", "rloo")
+
 # Logits of one chunk at most: above it a call is chunked. 64 MiB: 64 positions of fp32 logits at 262,144 entries
 # (a chunk's backward holds about four such tensors at once).
 CHUNK_BYTES = 64 * 2 ** 20
@@ -38,7 +41,7 @@ MAX_CHUNK_POSITIONS = 64
 # 16 x 64 completion tokens at SmolLM2's 49,152 entries keeps 192 MiB and skips a second projection of its 1,024
 # positions onto the vocabulary (0.4-0.5 CPU-s of a ~9 CPU-s trained pass on one EPYC thread: docs/benchmarks.md).
 # Gemma 3's 262,144 entries reach it at 256 positions: larger batches recompute. The memory estimate
-# (snaketrl.train.memory) counts GRPO's logits at every position of the batch, more than this keeps.
+# (snaketrl.train.memory: `kept`) counts what each way keeps.
 KEPT_LOGITS_BYTES = 256 * 2 ** 20
 
 

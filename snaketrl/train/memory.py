@@ -17,14 +17,25 @@ loss, then its gradient and the logits' at the start of the backward): 12·V byt
 found. It is an upper bound for a full fine-tune, which keeps no adapter inputs.
 
 The logits count where a trainer computes them (`projected`, snaketrl.train.plan.projected_tokens): a classifier
-(the reward model) projects onto no vocabulary; ORPO one and a half times every position; the others every
-position, an upper bound where only labels or completions are projected (SFT's one pass, GRPO). DPO, KTO and
-ORPO (`chunked`, where the plan sees their logits will be chunked: snaketrl.train.scored.plans_chunks) project at
-most a chunk of positions at a time (snaketrl.train.scored: 64 MiB of fp32 logits, 64 positions at most), and a
-chunk's backward pass holds four fp32 copies of its logits (its logits, their softmax, its gradient and the
-logits'), so that they count 16·V bytes for at most a chunk's positions: a 65,536-entry vocabulary's step of 768
-positions measured 0.997 of that estimate, TRL's path for all of them at once 1.33 of the 12·V count
-(tests/test_memory.py).
+(the reward model) projects onto no vocabulary; ORPO one and a half times every position; GRPO and RLOO their
+completion positions; the others every position, an upper bound where only labels are projected (SFT's one pass).
+DPO, KTO and ORPO (`chunked`, where the plan sees their logits will be chunked: snaketrl.train.scored.plans_chunks)
+project at most a chunk of positions at a time (snaketrl.train.scored: 64 MiB of fp32 logits, 64 positions at most;
+a batch within 64 MiB keeps TRL's path, all at once), and a chunk's backward pass holds four fp32 copies of its
+logits (its logits, their softmax, its gradient and the logits'), so that they count 16·V bytes for at most a
+chunk's positions: a 65,536-entry vocabulary's step of 768 positions measured 0.997 of that estimate, TRL's path for
+all of them at once 1.33 of the 12·V count (tests/test_memory.py). GRPO and RLOO (snaketrl.train.logps) chunk the
+same way, and where all their completion logits fit in logps.KEPT_LOGITS_BYTES (`kept`) the chunks before the last
+keep their fp32 logits for the backward pass too: 4·V bytes a position more. A head whose rows a chat template added
+train (`trained_rows`: peft's TrainableTokensWrapper) builds its whole weight, vocabulary x hidden, at each call of
+its forward, and each chunk keeps that copy for its backward pass: one per chunk kept, one where chunks are
+recomputed. tests/test_memory.py measures GRPO's step at 0.998 to 1.05 of this count, kept or recomputed, plain head
+or trained rows (every tensor alive at once). bench/vocab_memory.py on Gemma 3 270M with ChatML (below; 4
+completions of 32 tokens: 2 chunks kept, 2 weight copies of 0.31 GiB): 1.54 GiB estimated against 1.38 measured
+(1.11; from the start of training 1.80: 0.86); on the 64-wide model with Gemma's vocabulary (a plain head) GRPO
+0.315 against 0.348 (0.90), RLOO 0.315 against 0.317 (1.00). The count before, every position at 12·V prompts included,
+was 2.9 times the 64-wide model's step and 1.04 of Gemma's only by the weight copies it did not know of (1.90 of
+Gemma's step before the chunks kept their logits: 0.76 GiB measured then).
 SFT's loss (TRL's chunked_nll, and snaketrl's one pass on a CPU) computes in fp32 with an fp32 copy of a 16-bit
 output projection, vocabulary x hidden x 4 bytes, which the one pass keeps for the backward pass: at Gemma 3's
 262,144 x 640 it is 0.625 GiB, more than the activations of a small batch (bench/vocab_memory.py: Gemma 3 270M, bf16,
@@ -35,8 +46,7 @@ policy's shape) on the same tokens, so the layers count twice, and its logits a 
 .projection_alone). Gemma 3 270M in bf16 on a CPU (bench/vocab_memory.py: 4 rows, prompts cut to 128 tokens, 32
 completion tokens; the estimate for the tokens each step trained, against the peak resident memory the last step
 added): SFT 1.71 GiB estimated, 1.59 measured (1.08; the whole run, first step's one-time allocations included,
-1.74: 0.98); GRPO 1.44 against 0.76 (1.90; whole run 1.03: 1.40), every position counted where it projects its
-completions in chunks, for a chunk's count (0.54) would fall below the peak; PPO 0.94 against 1.08 (0.87; whole
+1.74: 0.98); GRPO as above; PPO 1.25 against 1.08 (1.16 with its head's one weight copy, 0.87 without; whole
 run 2.51 with the value model's optimizer states; TRL's logits: 1.40 measured, 3.04 whole run, peak resident 5.94
 GiB against 5.42 bounded), where one layer count and every position's logits said 1.69 (1.57).
 """
@@ -59,30 +69,46 @@ LOGITS = 3 * 4  # bytes per token and vocabulary entry
 # Bytes per vocabulary entry of each position of a chunk (snaketrl.train.scored): the chunk's backward pass holds its
 # logits, their softmax, its gradient and the logits' gradient at once, in fp32 (measured: tests/test_memory.py).
 CHUNKED_LOGITS = 4 * 4
+# Bytes per vocabulary entry of each position of GRPO's and RLOO's other chunks where they keep their logits for the
+# backward pass (snaketrl.train.logps.KEPT_LOGITS_BYTES): the fp32 logits the log-softmax's backward reads.
+KEPT_CHUNK_LOGITS = 4
 
 
 def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
-                     upcast_head: bool = False, chunked: bool = False, value_model: bool = False) -> int:
+                     upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
+                     kept: bool = False, trained_rows: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
     (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
     logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
     projection (SFT's); `chunked`: the trainer projects at most a chunk of positions at once (DPO, KTO, ORPO:
-    snaketrl.train.scored), so that its logits count those positions at most; `value_model`: the trained pass runs
-    a value model of the same shape on the same tokens (PPO's), whose layers count again."""
-    from snaketrl.train.logps import chunk_positions
+    snaketrl.train.scored; GRPO, RLOO: snaketrl.train.logps; PPO: snaketrl.train.ppo), so that its logits count
+    those positions at most; `kept`: the other chunks keep their logits for the backward pass where all of them fit
+    in logps.KEPT_LOGITS_BYTES (GRPO's and RLOO's); `trained_rows`: a chunked trainer's output projection trains
+    rows (a chat template's added tokens: peft's wrapper builds its whole weight at each projection, and each
+    chunk kept keeps its copy, the one recomputed at a time otherwise); `value_model`: the trained pass runs a value
+    model of the same shape on the same tokens (PPO's), whose layers count again."""
+    from snaketrl.train.logps import chunk_positions, exceeds_chunk, keeps_too_much
 
     text = config.get("text_config", config)
-    hidden = text["hidden_size"]
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
     intermediate = text.get("intermediate_size") or 4 * hidden
     layers = text["num_hidden_layers"]
     per_hidden, per_intermediate = KEPT[4 if dtype_bytes >= 4 else 2]
     per_layer = per_hidden * hidden + per_intermediate * intermediate
     positions = tokens if projected is None else projected
+    copies = 0
     if chunked:
-        logits = CHUNKED_LOGITS * text["vocab_size"] * min(positions, chunk_positions(text["vocab_size"], 4))
+        # a batch whose logits fit in one chunk (CHUNK_BYTES) keeps TRL's path, all its positions at once
+        chunk = chunk_positions(vocab, 4) if exceeds_chunk(positions, vocab) else positions
+        logits = CHUNKED_LOGITS * vocab * chunk
+        copies = 1
+        if kept and not keeps_too_much(positions, vocab):
+            logits += KEPT_CHUNK_LOGITS * vocab * (positions - chunk)
+            copies = -(-positions // max(chunk, 1))
     else:
-        logits = LOGITS * text["vocab_size"] * positions
-    head = 4 * text["vocab_size"] * hidden if upcast_head and dtype_bytes < 4 else 0
+        logits = LOGITS * vocab * positions
+    head = 4 * vocab * hidden if upcast_head and dtype_bytes < 4 else 0
+    head += copies * vocab * hidden * (4 if dtype_bytes >= 4 else 2) if trained_rows else 0
     return int(tokens * layers * per_layer * (2 if value_model else 1) + logits + head)
 
 
@@ -104,13 +130,15 @@ def free_bytes(device: str) -> int:
 
 
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
-                         upcast_head: bool = False, chunked: bool = False,
-                         value_model: bool = False) -> tuple[bool, str]:
+                         upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
+                         kept: bool = False, trained_rows: bool = False) -> tuple[bool, str]:
     """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected`,
-    `upcast_head`, `chunked` and `value_model` as activation_bytes takes them) would take more than SHARE of the
-    memory left once the weights are loaded (`free`: the device's free bytes before loading)."""
+    `upcast_head`, `chunked`, `value_model`, `kept` and `trained_rows` as activation_bytes takes them) would take
+    more than SHARE of the memory left once the weights are loaded (`free`: the device's free bytes before
+    loading)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model)
+    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model, kept,
+                            trained_rows)
     room = SHARE * (free - weight_bytes(model_dir))
     gib = 2 ** 30
     why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "

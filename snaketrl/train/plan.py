@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from snaketrl.errors import TrainingError
+from snaketrl.models.chat_template import trains_added_rows
 from snaketrl.train import live
 from snaketrl.train.args import (check_args, check_hardware, check_liger_model, check_switches, split_batch,
                                  steps_for_tokens, trl_kwargs)
@@ -28,6 +29,7 @@ from snaketrl.train.attention import choose as choose_attention
 from snaketrl.train.attention import routes_attention
 from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
+from snaketrl.train.logps import TRAINERS as CHUNKED_COMPLETIONS
 from snaketrl.train.logps import projection_alone
 from snaketrl.train.memory import choose_checkpointing
 from snaketrl.train.scored import plans_chunks
@@ -121,14 +123,14 @@ def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
 
 
 def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int) -> int:
-    """Positions' worth of logits one training step holds at once (snaketrl.train.memory counts 12 bytes per
-    vocabulary entry for each): none for a classifier's score head; ORPO's one and a half times every position (its
-    NLL term takes a log-softmax of the chosen rows' logits again); every position otherwise. GRPO and RLOO project
-    their completions alone, in chunks where large (snaketrl.train.logps), yet keep the count of every position:
-    on Gemma 3 270M their steps measured 2.2 times what those logits and the layers account for
-    (bench/vocab_memory.py), and an estimate below the peak would leave checkpointing off where it is needed."""
+    """Positions whose logits one training step computes (snaketrl.train.memory counts them): none for a
+    classifier's score head; ORPO's one and a half times every position (its NLL term takes a log-softmax of the
+    chosen rows' logits again); GRPO's and RLOO's completion positions (snaketrl.train.logps: transformers'
+    logits_to_keep spares the prompts); every position otherwise."""
     if spec.task_type == "SEQ_CLS":
         return 0
+    if trainer in CHUNKED_COMPLETIONS:
+        return fields.per_device_train_batch_size * fields.max_completion_length
     every = forward_tokens(spec, fields, max_length)
     return every * 3 // 2 if trainer == "orpo" else every
 
@@ -187,8 +189,11 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
             device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"]),
             upcast_head=run["trainer"] == "sft",
             chunked=(plans_chunks(run["trainer"], fields, run["lora"], model_dir)
-                     or (spec.value_model and projection_alone(model_config)))  # snaketrl.train.ppo.bound_logits
-            and not (run["distributed"] in SHARDED and world > 1), value_model=spec.value_model)
+                     # snaketrl.train.ppo.bound_logits, snaketrl.train.logps.chunk_completion_logits
+                     or ((spec.value_model or run["trainer"] in CHUNKED_COMPLETIONS)
+                         and projection_alone(model_config)))
+            and not (run["distributed"] in SHARDED and world > 1), value_model=spec.value_model,
+            kept=run["trainer"] in CHUNKED_COMPLETIONS, trained_rows=trains_added_rows(model_dir, run["lora"]))
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)

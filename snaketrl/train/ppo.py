@@ -50,6 +50,7 @@ from trl.experimental.ppo import ppo_trainer as trl_ppo
 
 from snaketrl.errors import DataError, SnaketrlError
 from snaketrl.train import logps as chunks
+from snaketrl.train.generation import merged
 
 VALUE_MODEL = "value_model.safetensors"
 PAD = "<|snaketrl_ppo_pad|>"
@@ -181,6 +182,10 @@ class _Scoring:
     def __init__(self, model):
         self.model = model
 
+    @property
+    def generation_config(self):  # the policy's (its eos), for whoever reads it of the model TRL's loop was given
+        return self.model.generation_config
+
     def generate(self, **kwargs):
         return self.model.generate(**kwargs, stopping_criteria=StoppingCriteriaList([StepLogps()]))
 
@@ -311,10 +316,12 @@ class PPOTrainer(TRLPPOTrainer):
     def _batch_generation(self, trl_function):
         def batch_generation(model, queries, forward_batch_size, pad_token_id, generation_config):
             vocabulary = model.get_output_embeddings().weight.shape[0]  # its weight: peft may wrap the layer
-            if not chunks.exceeds_chunk(queries.shape[0] * generation_config.max_new_tokens, vocabulary):
-                return trl_function(model, queries, forward_batch_size, pad_token_id, generation_config)
-            responses, logps = trl_function(_Scoring(model), queries, forward_batch_size, pad_token_id,
-                                            generation_config)
+            # trained token rows merged (snaketrl.train.generation.merge_rows_for_generation: the same logits)
+            with merged(model, rows_only=True):
+                if not chunks.exceeds_chunk(queries.shape[0] * generation_config.max_new_tokens, vocabulary):
+                    return trl_function(model, queries, forward_batch_size, pad_token_id, generation_config)
+                responses, logps = trl_function(_Scoring(model), queries, forward_batch_size, pad_token_id,
+                                                generation_config)
             (logps._base if logps._base is not None else logps).snaketrl_logps = True
             return responses, logps
         return batch_generation

@@ -25,11 +25,12 @@ from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.processes import give_back_freed_memory
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
-from snaketrl.train.generation import compile_decode, merge_for_generation
+from snaketrl.train.generation import GENERATES, compile_decode, merge_for_generation, merge_rows_for_generation
 from snaketrl.train.head import contiguous_head
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
 from snaketrl.train.loading import check_lora_targets, check_reward_tokenizer, load_model
+from snaketrl.train.logps import TRAINERS as CHUNKED_COMPLETIONS
 from snaketrl.train.logps import chunk_completion_logits
 from snaketrl.train.packed import pack_for_generation
 from snaketrl.train.prefill import dedupe_prefill
@@ -215,7 +216,7 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         for module in (trainer.model, getattr(trainer, "ref_model", None)):  # and a separate reference model
             if module is not None:
                 split_rows(module, args.pad_to_multiple_of)
-    if run["trainer"] in ("grpo", "rloo") and not plan.sharded:  # sharded weights are gathered by module hooks
+    if run["trainer"] in CHUNKED_COMPLETIONS and not plan.sharded:  # sharded weights are gathered by module hooks
         chunk_completion_logits(trainer)  # TRL's path unless a batch's completion logits exceed a chunk
     if run["trainer"] == "ppo" and not plan.sharded:
         from snaketrl.train.ppo import bound_logits as bound_ppo_logits
@@ -240,6 +241,9 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         pack_for_generation(trainer, run["trainer"])
     if plan.deduped_prefill:
         dedupe_prefill(trainer, run["trainer"])
+    if lora.get("trainable_token_indices") and run["trainer"] in GENERATES:
+        # outermost, so that generation's packed copies (packed.py) are of the merged rows
+        merge_rows_for_generation(trainer, run["trainer"])
     if plan.compiled_decode:
         compile_decode(trainer, plan.compiled_decode, plan.device)
     return trainer
