@@ -125,6 +125,25 @@ def test_the_rl_recipes_config_runs_every_registered_trainer_at_one_budget_over_
     assert {run["reward_model"] for run in recipes.values() if run["reward_model"]} == {"reward-seed42"}
 
 
+def test_the_real_model_rl_recipes_config_runs_its_recipes_at_one_budget_over_three_seeds(tmp_path):
+    """config/rl-recipes-smollm2.yaml: the recipes of config/rl-recipes.yaml but GSPO (on-policy it trains as
+    grpo-dapo does), on SmolLM2 with plain prompts, 10 recipes x 3 seeds and the reward model, one max_flops."""
+    from snaketrl.config import resolve_runs, validate
+
+    path = ROOT / "config" / "rl-recipes-smollm2.yaml"
+    assert dry_run(tmp_path, "--configfile", str(path))["train"] == 31
+    cfg = yaml.safe_load(path.read_text())
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    runs = resolve_runs(cfg, shipped)
+    tiny = yaml.safe_load((ROOT / "config" / "rl-recipes.yaml").read_text())["runs"]
+    assert {run["group"] for run in runs.values()} == set(tiny) - {"gspo"}
+    recipes = [run for run in runs.values() if run["trainer"] != "reward"]
+    assert {run["max_flops"] for run in recipes} == {8.0e12}
+    assert {run["seed"] for run in recipes} == {1, 2, 3} and len(recipes) == 30
+    assert {run["model"] for run in runs.values()} == {"smollm2"} and cfg["models"]["smollm2"]["chat"] is False
+    assert {run["reward_model"] for run in recipes if run["reward_model"]} == {"reward-seed42"}
+
+
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
     files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
