@@ -182,3 +182,26 @@ def decoded(tokenizer, ids) -> str:
 
 def read_manifest(work: Path) -> dict:
     return json.loads((work / "out" / "manifest.json").read_text())
+
+
+CHATML_ASK = "<|im_start|>assistant\n"
+
+
+def chatml_first_rows(turns) -> dict[str, list[str]]:
+    """Each trainer's first rows as text, for a model given ChatML turns (`turns(*texts)`: its template's rendering,
+    system turn and bos included): the rows `trained_rows` feeds, as its first forward pass must see them."""
+    hh = ("What is 2+2?", "Four.", "And 3+3?")
+    question = turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + CHATML_ASK
+    return {
+        "sft": [turns("TITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:", "I lost my keys.")],
+        "dpo": [turns(*hh, "Six."), turns(*hh, "Seven.")],
+        "kto": [turns(*hh, "Seven."), turns(*hh, "Six.")],  # TRL's unpaired rows, its KL pairing first
+        # TRL's experimental ORPO appends eos to each completion, after the template's own <|im_end|>\n
+        "orpo": [turns(*hh, "Six.") + "<|im_end|>", turns(*hh, "Seven.") + "<|im_end|>"],
+        "reward": [turns("She walked into the room and saw a", "misty, delicate window."),
+                   turns("She walked into the room and saw a", "window.")],
+        # once for its 2 generations: the plan prefills each distinct prompt once (snaketrl.train.prefill)
+        "grpo": [question],
+        "rloo": [question],
+        "ppo": [turns("Through the window they noticed a") + CHATML_ASK],
+    }

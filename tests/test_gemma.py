@@ -11,7 +11,7 @@ import json
 import resource
 
 import pytest
-from first_tokens import decoded, first_eval_prompt_ids, read_manifest, trained_rows
+from first_tokens import chatml_first_rows, decoded, first_eval_prompt_ids, read_manifest, trained_rows
 from test_real import as_reward_model
 
 pytestmark = pytest.mark.gemma
@@ -81,21 +81,7 @@ def turns(*texts: str) -> str:
     return "<bos>" + "".join(f"<|im_start|>{roles[i % 2]}\n{text}<|im_end|>\n" for i, text in enumerate(texts))
 
 
-ASK = "<|im_start|>assistant\n"
-HH = ("What is 2+2?", "Four.", "And 3+3?")
-FIRST = {
-    "sft": [turns("TITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:", "I lost my keys.")],
-    "dpo": [turns(*HH, "Six."), turns(*HH, "Seven.")],
-    "kto": [turns(*HH, "Seven."), turns(*HH, "Six.")],  # TRL's unpaired rows, its KL pairing first
-    # TRL's experimental ORPO appends eos to each completion, after the template's own <|im_end|>\n
-    "orpo": [turns(*HH, "Six.") + "<|im_end|>", turns(*HH, "Seven.") + "<|im_end|>"],
-    "reward": [turns("She walked into the room and saw a", "misty, delicate window."),
-               turns("She walked into the room and saw a", "window.")],
-    # once for its 2 generations: the plan prefills each distinct prompt once (snaketrl.train.prefill)
-    "grpo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
-    "rloo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
-    "ppo": [turns("Through the window they noticed a") + ASK],
-}
+FIRST = chatml_first_rows(turns)
 PROMPT_IDS = {
     "grpo": [BOS, IM_START, 2364, 107, 23621, 815, 236743, 236800, 36157, 532, 6757, 236743, 236812, 919, 236761,
              2088, 1551, 36157, 1677, 6687, 735, 1492, 236881, IM_END, 107, IM_START, 111457, 107],

@@ -12,7 +12,8 @@ import resource
 import time
 
 import pytest
-from first_tokens import decoded, first_eval_prompt_ids, read_manifest, trained_rows
+from first_tokens import (CHATML_ASK, chatml_first_rows, decoded, first_eval_prompt_ids, read_manifest,
+                          trained_rows)
 from test_real import as_reward_model
 
 pytestmark = pytest.mark.qwen
@@ -63,7 +64,7 @@ def test_the_six_wheels_give_qwen2_with_its_own_template(qwen):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert decoded(tokenizer, prompt["input_ids"][0].tolist()) == SYSTEM + (
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" + ASK)
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" + CHATML_ASK)
     out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True) == (
         "The capital of France is Paris.")
@@ -79,21 +80,7 @@ def turns(*texts: str) -> str:
     return SYSTEM + "".join(f"<|im_start|>{roles[i % 2]}\n{text}<|im_end|>\n" for i, text in enumerate(texts))
 
 
-ASK = "<|im_start|>assistant\n"
-HH = ("What is 2+2?", "Four.", "And 3+3?")
-FIRST = {
-    "sft": [turns("TITLE: Lost keys\n\nPOST: I lost my keys again.\n\nTL;DR:", "I lost my keys.")],
-    "dpo": [turns(*HH, "Six."), turns(*HH, "Seven.")],
-    "kto": [turns(*HH, "Seven."), turns(*HH, "Six.")],  # TRL's unpaired rows, its KL pairing first
-    # TRL's experimental ORPO appends eos to each completion, after the template's own <|im_end|>\n
-    "orpo": [turns(*HH, "Six.") + "<|im_end|>", turns(*HH, "Seven.") + "<|im_end|>"],
-    "reward": [turns("She walked into the room and saw a", "misty, delicate window."),
-               turns("She walked into the room and saw a", "window.")],
-    # once for its 2 generations: the plan prefills each distinct prompt once (snaketrl.train.prefill)
-    "grpo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
-    "rloo": [turns("Sam has 3 apples and gets 4 more. How many apples does Sam have now?") + ASK],
-    "ppo": [turns("Through the window they noticed a") + ASK],
-}
+FIRST = chatml_first_rows(turns)
 SYSTEM_IDS = [IM_START, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525, 264, 10950,
               17847, 13, IM_END, 198]
 USER, ASSISTANT = [IM_START, 872, 198], [IM_END, 198, IM_START, 77091, 198]

@@ -135,6 +135,14 @@ def test_grpo_scores_with_the_trained_reward_model(tmp_path, config, tiny_model_
     train_run(**inputs, reward_dir=reward_model_dir[0])
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     assert any(k.startswith("rewards/") and k.endswith("/mean") for e in state["log_history"] for k in e)
+    # GRPO trained on the score the judge gives: its plain prompts and completions read with eos, as the reward
+    # model was trained (snaketrl.data.reward_text). TRL read them without eos, a score the judge does not give.
+    from snaketrl.evaluate.scoring import reward_model_scores
+
+    samples = read_jsonl(tmp_path / "out" / "training_samples.jsonl")
+    assert len(samples) >= 16 and isinstance(samples[0]["prompt"], str)
+    judged = reward_model_scores(reward_model_dir[0], [r["prompt"] for r in samples], [r["completion"] for r in samples])
+    assert [r["reward"] for r in samples] == pytest.approx(judged, abs=1e-4)
 
 
 def test_reward_model_with_another_tokenizer_is_refused(tmp_path, tiny_model_dir):

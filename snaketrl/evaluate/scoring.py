@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from snaketrl.data.formats import is_conversational
+from snaketrl.data.reward_text import plain_reward_text
 from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.kinds import reward_func_name, score_name
 from snaketrl.evaluate.loading import max_positions
@@ -45,7 +46,7 @@ def judge_texts(tokenizer, prompts, completions) -> tuple[list[str], bool]:
             raise ConfigError(f"evaluation.reward_models: the judge's tokenizer ({tokenizer.name_or_path}) has no chat "
                               f"template, and the prompts are conversations")
         return tokenizer.apply_chat_template([list(p) + list(c) for p, c in zip(prompts, comps)], tokenize=False), False
-    return [p + c + (tokenizer.eos_token or "") for p, c in zip(prompts, comps)], True
+    return [plain_reward_text(p + c, tokenizer) for p, c in zip(prompts, comps)], True
 
 
 def reward_model_scores(reward_dir, prompts, completions, *, batch_size: int = 16,

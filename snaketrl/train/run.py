@@ -222,6 +222,10 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         from snaketrl.train.ppo import bound_logits as bound_ppo_logits
 
         bound_ppo_logits(trainer)  # TRL's path unless an update's logits exceed a chunk
+    if spec.reward_funcs and reward_dir:
+        from snaketrl.train.reward_reading import read_as_trained
+
+        read_as_trained(trainer, train_ds)  # plain prompts: the reward model reads them with eos, as trained
     if run["trainer"] == "ppo" and run.get("chat", False):
         from snaketrl.train.ppo import score_to_turn_end
 
