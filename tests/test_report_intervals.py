@@ -203,3 +203,14 @@ def test_a_bound_at_float_noise_above_zero_is_written_with_its_sign():
     assert intervals.signed(-1e-17, "float", 3) == "−<0.001"
     assert intervals.signed(0.0, "float", 3) == "0.000"
     assert intervals.signed(-0.5, "percent", None) == "−50.0"
+
+
+def test_a_tie_that_has_the_prompts_it_would_need_asks_for_seeds():
+    # ppo (one seed) ≈ grpo (two): the power rule's 18 prompts are there (160), so prompts are not what is missing.
+    tie = intervals.Difference(difference=0.1, low=-0.1, high=0.3, prompts=160, seeds=(1, 2), needed=18,
+                               unit="prompts")
+    assert intervals.needed(tie) == ("with one seed a run's difference from another can be its seed's alone: "
+                                     "set seeds: [1, 2, 3]")
+    short = intervals.Difference(difference=0.1, low=-0.1, high=0.3, prompts=16, seeds=(1, 2), needed=18,
+                                 unit="prompts")
+    assert intervals.needed(short) == "a difference this size would need about 18 prompts (has 16)"

@@ -187,7 +187,10 @@ def describe(d: Difference, kind: str, decimals: int | None) -> str:
 
 def needed(d: Difference) -> str:
     """What a tie would need: the power rule's sample size for a difference of the observed size."""
-    if d.lead and not d.seeded:
+    # A one-seed run against one with several: where the prompts it has would do, the interval is wide from the
+    # other run's seeds, and more seeds for both is what would settle it.
+    enough_prompts = d.unit == "prompts" and d.needed is not None and d.needed <= d.prompts
+    if not d.seeded and (d.lead or enough_prompts):
         return "with one seed a run's difference from another can be its seed's alone: set seeds: [1, 2, 3]"
     if d.needed is None:
         return "no difference observed, so no number of seeds would show one"
