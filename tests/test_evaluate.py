@@ -600,7 +600,7 @@ def test_an_eval_size_beyond_its_split_is_refused_before_any_model_loads(tmp_pat
                    out_completions=tmp_path / "c.jsonl", out_metrics=tmp_path / "m.json")
     assert str(err.value) == (f"evaluate sft-x: evaluation.prompts.size is 5, but the eval split of dataset 'tldr' "
                               f"({tmp_path / 'prompts.jsonl'}) holds 3 rows; set evaluation.prompts.size to at most "
-                              f"3, or raise datasets.tldr.eval_size")
+                              f"3, or hold out more rows (datasets.tldr.eval_size, or a longer eval file)")
     assert not (tmp_path / "c.jsonl").exists()
 
 

@@ -35,7 +35,8 @@ def _rows(path, kind: str, size, where: str, key: str, dataset: str) -> list[dic
     check_rows(rows, kind, f"{where}: {path}")
     if size and len(rows) < size:
         raise DataError(f"{where}: {key} is {size}, but the eval split of dataset '{dataset}' ({path}) holds "
-                        f"{len(rows)} rows; set {key} to at most {len(rows)}, or raise datasets.{dataset}.eval_size")
+                        f"{len(rows)} rows; set {key} to at most {len(rows)}, or hold out more rows (datasets.{dataset}.eval_size, "
+                        f"or a longer eval file)")
     return rows[:size] if size else rows
 
 

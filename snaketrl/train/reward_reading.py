@@ -26,16 +26,13 @@ class ReadsAsTrained:
         return getattr(self.tokenizer, name)
 
 
-def read_as_trained(trainer, train_dataset) -> int:
+def read_as_trained(trainer, train_dataset) -> None:
     """Every reward-model reward function of `trainer` reads plain texts as trained, where the prompts are plain
-    (TRL's own test: the first prompt's type). Returns how many it changed."""
+    (TRL's own test: the first prompt's type)."""
     import torch
 
     if not len(train_dataset) or not isinstance(train_dataset[0]["prompt"], str):
-        return 0
-    changed = 0
+        return
     for i, func in enumerate(trainer.reward_funcs):
-        if isinstance(func, torch.nn.Module) and not isinstance(trainer.reward_processing_classes[i], ReadsAsTrained):
+        if isinstance(func, torch.nn.Module):
             trainer.reward_processing_classes[i] = ReadsAsTrained(trainer.reward_processing_classes[i])
-            changed += 1
-    return changed
