@@ -14,7 +14,8 @@ from test_trainers import prepare
 GIB = 2**30
 
 
-def plan_of(tmp_path, config, tiny_model_dir, trainer, device, *, lengths=None, world=1, run=None, **run_extra):
+def plan_of(tmp_path, config, tiny_model_dir, trainer, device, *, lengths=None, world=1, run=None, reward_dir=None,
+            **run_extra):
     from snaketrl.train.plan import plan_run
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -23,7 +24,8 @@ def plan_of(tmp_path, config, tiny_model_dir, trainer, device, *, lengths=None, 
     if lengths:
         job["lengths_file"].write_text(json.dumps(lengths))
     return job, plan_run(job["run"], model_dir=job["model_dir"], lengths_file=job["lengths_file"],
-                         checkpoint_dir=job["checkpoint_dir"], device=device, world=world)
+                         train_file=job["train_file"], checkpoint_dir=job["checkpoint_dir"], device=device, world=world,
+                         reward_dir=reward_dir)
 
 
 def test_the_plan_module_imports_no_training_library():
@@ -61,7 +63,8 @@ def test_checkpointing_follows_the_device_memory_unless_the_config_sets_it(tmp_p
     from snaketrl.train.plan import plan_run
 
     forced = plan_run(job["run"], model_dir=job["model_dir"], lengths_file=job["lengths_file"],
-                      checkpoint_dir=job["checkpoint_dir"], device=Device("cpu", False, free))
+                      train_file=job["train_file"], checkpoint_dir=job["checkpoint_dir"],
+                      device=Device("cpu", False, free))
     assert forced.checkpointing is True and not any("checkpointing" in note for note in forced.notes)
 
 
@@ -124,3 +127,92 @@ def test_ppo_counts_one_chunk_of_logits_and_its_value_models_layers(tmp_path, co
     assert [(k["chunked"], k["value_model"], k["kept"], k["trained_rows"]) for k in seen] == [
         (True, True, False, False), (False, True, False, False), (True, False, True, False),
         (False, False, True, False), (True, False, True, True)]
+
+
+def with_added_rows(tmp_path, tiny_model_dir):
+    """A copy of the tiny model whose chat template record names its `<|im_start|>` as added: that token's rows
+    train (peft's trainable tokens in the embeddings and the head), as a template's added tokens' do."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    chatml = tmp_path / "chatml"
+    if not chatml.exists():
+        shutil.copytree(tiny_model_dir, chatml)
+        start = AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("<|im_start|>")
+        (chatml / "chat_template.json").write_text(json.dumps({"added_tokens": {"<|im_start|>": start}}))
+    return chatml
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "online_dpo"])
+def test_the_plan_merges_the_trained_token_rows_of_an_online_trainers_generation(tmp_path, config, tiny_model_dir,
+                                                                                  trainer):
+    """A generating trainer whose model trains a chat template's added rows generates with them merged
+    (snaketrl.train.generation.merge_rows_for_generation): on any device, a tiny model too. Not without added
+    tokens, nor where lora.modules_to_save trains both layers whole (no rows are trainable tokens then); one of
+    them whole leaves the other's rows."""
+    from snaketrl.train.plan import Device
+
+    chatml = with_added_rows(tmp_path, tiny_model_dir)
+    # a GPU without bf16 units: TRL's config refuses bf16 on a machine without a GPU
+    for name, device in (("cpu", Device("cpu", False, 64 * GIB)), ("cuda", Device("cuda", False, 80 * GIB))):
+        _, plan = plan_of(tmp_path / name, config, chatml, trainer, device)
+        assert plan.merged_token_rows is True and plan.report()["merged_token_rows"] is True
+        assert any(note.startswith("generation with the trained token rows merged: unmerged, peft's trainable "
+                                   "tokens build") for note in plan.notes)
+    _, plain = plan_of(tmp_path / "plain", config, tiny_model_dir, trainer, Device("cpu", False, 64 * GIB))
+    assert plain.merged_token_rows is False and "merged_token_rows" not in plain.report()
+    for whole, merges in ((["embed_tokens", "lm_head"], False), (["lm_head"], True), (["embed_tokens"], True)):
+        _, plan = plan_of(tmp_path / "-".join(whole), config, chatml, trainer, Device("cpu", False, 64 * GIB),
+                          run={"lora": {"target_modules": ["q_proj", "v_proj"], "modules_to_save": whole}})
+        assert plan.merged_token_rows is merges, whole
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "ppo"])
+def test_a_trainer_that_does_not_generate_through_trl_merges_no_token_rows(tmp_path, config, tiny_model_dir, trainer):
+    """SFT and DPO do not generate; PPO merges its rows in its own loop (snaketrl.train.ppo)."""
+    from snaketrl.train.plan import Device
+
+    _, plan = plan_of(tmp_path, config, with_added_rows(tmp_path, tiny_model_dir), trainer,
+                      Device("cpu", False, 64 * GIB))
+    assert plan.merged_token_rows is False and "merged_token_rows" not in plan.report()
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo", "online_dpo"])
+def test_the_plan_has_a_reward_model_read_plain_prompts_with_eos(tmp_path, config, tiny_model_dir, trainer):
+    """A GRPO, RLOO or online DPO run with a reward model and plain prompts: its reward model reads them with eos
+    (snaketrl.train.reward_reading). Not with reward functions alone, nor prompts that are chats: made so by the
+    config (chat) or in the train file, nor an empty train file."""
+    from snaketrl.io import read_jsonl, write_jsonl
+    from snaketrl.train.plan import Device
+
+    cpu = Device("cpu", False, 64 * GIB)
+    job, plan = plan_of(tmp_path / "model", config, tiny_model_dir, trainer, cpu, reward_dir=tiny_model_dir)
+    assert isinstance(read_jsonl(job["train_file"])[0]["prompt"], str)
+    assert plan.reward_read_as_trained is True and plan.report()["reward_read_as_trained"] is True
+    assert any(note.startswith("the reward model reads plain prompts with eos: TRL scores plain text without the "
+                               "eos") for note in plan.notes)
+    _, funcs = plan_of(tmp_path / "funcs", config, tiny_model_dir, trainer, cpu)
+    assert funcs.reward_read_as_trained is False and "reward_read_as_trained" not in funcs.report()
+    _, chat = plan_of(tmp_path / "chat", config, tiny_model_dir, trainer, cpu, reward_dir=tiny_model_dir,
+                      run={"chat": True})
+    assert chat.reward_read_as_trained is False
+    from snaketrl.data.chat import as_chat
+
+    write_jsonl(as_chat(read_jsonl(job["train_file"])), job["train_file"])  # conversations in the file itself
+    replan = dict(model_dir=job["model_dir"], lengths_file=job["lengths_file"], train_file=job["train_file"],
+                  checkpoint_dir=job["checkpoint_dir"], device=cpu, reward_dir=tiny_model_dir)
+    from snaketrl.train.plan import plan_run
+
+    assert plan_run(job["run"], **replan).reward_read_as_trained is False
+    job["train_file"].write_text("")
+    assert plan_run(job["run"], **replan).reward_read_as_trained is False
+
+
+def test_ppo_reads_its_reward_its_own_way(tmp_path, config, tiny_model_dir):
+    """PPO's reward model reads a completion to its turn's end (snaketrl.train.ppo.score_to_turn_end), not this."""
+    from snaketrl.train.plan import Device
+
+    _, plan = plan_of(tmp_path, config, tiny_model_dir, "ppo", Device("cpu", False, 64 * GIB),
+                      reward_dir=tiny_model_dir)
+    assert plan.reward_read_as_trained is False and "reward_read_as_trained" not in plan.report()

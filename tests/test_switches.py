@@ -201,7 +201,7 @@ def test_a_histogram_without_this_devices_choice_is_not_read_as_another_devices(
     inputs = prepare(tmp_path, config, tiny_model_dir, "dpo")
     inputs["lengths_file"].write_text(json.dumps({"max_length": 64, "batching": {
         "strategy": "grouped", "split_rows": True, "args": {"train_sampling_strategy": "group_by_length"}}}))
-    plan = {key: inputs[key] for key in ("model_dir", "lengths_file", "checkpoint_dir")}
+    plan = {key: inputs[key] for key in ("model_dir", "lengths_file", "train_file", "checkpoint_dir")}
     with pytest.raises(TrainingError, match=r"lengths\.json: no batching choice for cuda, only a CPU's .*"
                                             r"snakemake --forcerun length_histogram$"):
         plan_run(inputs["run"], **plan, device=Device("cuda", True, 80 * 2**30))

@@ -127,12 +127,21 @@ def test_trainer_logs_its_metrics(trainer, tmp_path, config, tiny_model_dir, rew
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_grpo_scores_with_the_trained_reward_model(tmp_path, config, tiny_model_dir, reward_model_dir):
+def test_grpo_scores_with_the_trained_reward_model(tmp_path, config, tiny_model_dir, reward_model_dir, monkeypatch):
+    """GRPO with the reward model alone, on plain prompts; its policy trains a chat template's added token's rows
+    (test_plan.with_added_rows). metrics.json records the plan's two decisions for it: the reward model reads the
+    plain prompts with eos, and generation runs with the trained rows merged."""
+    import snaketrl.train.run as run_module
     from snaketrl.train.run import train_run
+    from test_plan import with_added_rows
 
-    inputs = prepare(tmp_path, config, tiny_model_dir, "grpo", reward_model=None)
+    merges, merge_rows = [], run_module.merge_rows_for_generation
+    monkeypatch.setattr(run_module, "merge_rows_for_generation", lambda *a: merges.append(a[1]) or merge_rows(*a))
+    inputs = prepare(tmp_path, config, with_added_rows(tmp_path, tiny_model_dir), "grpo", reward_model=None)
     inputs["run"]["reward_funcs"] = []
     train_run(**inputs, reward_dir=reward_model_dir[0])
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["reward_read_as_trained"] is True and metrics["merged_token_rows"] is True and merges == ["grpo"]
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     assert any(k.startswith("rewards/") and k.endswith("/mean") for e in state["log_history"] for k in e)
     # GRPO trained on the score the judge gives: its plain prompts and completions read with eos, as the reward

@@ -211,6 +211,15 @@ def trains_added_rows(model_dir, lora: dict) -> bool:
         lora.get("modules_to_save") or [])
 
 
+def trains_token_rows(model_dir, lora: dict) -> bool:
+    """Whether the run trains rows a chat template added as trainable tokens of any layer (`trainable_tokens`: the
+    input embeddings' or the output projection's), as far as a plan sees before the model loads: added tokens
+    recorded, and not both layers (transformers' `embed_tokens` and `lm_head`) trained whole by
+    lora.modules_to_save."""
+    return bool((read_record(model_dir) or {}).get("added_tokens")) and not {"embed_tokens", "lm_head"} <= set(
+        lora.get("modules_to_save") or [])
+
+
 def layer_name(model, layer) -> str | None:
     """A layer's own name (embed_tokens, lm_head), as peft's trainable_token_indices names it."""
     if layer is None:

@@ -73,7 +73,8 @@ def merge_rows_for_generation(trainer, trainer_name: str) -> None:
     """Patch a built GRPO, RLOO or online DPO trainer whose model trains token rows (a chat template's added tokens):
     its generation runs with the rows merged. Unmerged, peft's layer builds its whole weight (vocabulary x hidden)
     at every forward, for the embeddings and again for a tied head: at Gemma 3's 262,146 x 640 in bf16, 0.19 CPU-s
-    a copy, two per decode step. The same logits: the merged weight is the one each forward built."""
+    a copy, two per decode step. The same logits: the merged weight is the one each forward built. Decided in the
+    plan (snaketrl.train.plan.merges_token_rows)."""
     around_generation(trainer, trainer_name,
                       lambda: merged(trainer.accelerator.unwrap_model(trainer.model_wrapped), rows_only=True))
 

@@ -1,9 +1,11 @@
 """What a train job decides before any model loads, decided once: the plan.
 
-From the resolved run (its config), the length stage's file, the device and the process group, `plan_run`
+From the resolved run (its config), the length stage's file, the train file's first row, the reward model's
+presence, the device and the process group, `plan_run`
 decides the batching, the processes' split of the batch, the TRL args (built once: steps from `max_tokens`,
 activation checkpointing from memory, bf16 from the hardware), the attention, row groups, unpadding, merged
-generation and compiled decode. The train job then loads, builds and trains as planned (snaketrl.train.run); the
+generation and compiled decode, the trained token rows merged for generation, and how a reward model reads plain
+prompts. The train job then loads, builds and trains as planned (snaketrl.train.run); the
 manifest and metrics.json report the plan. Only the loss choice waits for the loaded model
 (snaketrl.train.labelled.choose).
 
@@ -21,7 +23,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from snaketrl.errors import TrainingError
-from snaketrl.models.chat_template import trains_added_rows
+from snaketrl.data.chat import as_chat
+from snaketrl.models.chat_template import trains_added_rows, trains_token_rows
 from snaketrl.train import live
 from snaketrl.train.args import (check_args, check_hardware, check_liger_model, check_switches, split_batch,
                                  steps_for_tokens, trl_kwargs)
@@ -79,6 +82,10 @@ class TrainPlan:
     inverse_cdf_sampling: bool = False  # generation draws its tokens by the inverse CDF (snaketrl.train.sampling)
     packed_generation: bool = False  # generation's bf16 linear layers run on prepacked weights (snaketrl.train.packed)
     deduped_prefill: bool = False  # generation prefills each distinct prompt once (snaketrl.train.prefill)
+    # generation runs with the trained token rows merged (snaketrl.train.generation.merge_rows_for_generation)
+    merged_token_rows: bool = False
+    # the reward model reads plain prompts with eos, as trained (snaketrl.train.reward_reading)
+    reward_read_as_trained: bool = False
     # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
     compiled_decode: int = 0
     notes: tuple[str, ...] = ()
@@ -100,6 +107,8 @@ class TrainPlan:
                 **({"inverse_cdf_sampling": True} if self.inverse_cdf_sampling else {}),
                 **({"packed_generation": True} if self.packed_generation else {}),
                 **({"deduped_prefill": True} if self.deduped_prefill else {}),
+                **({"merged_token_rows": True} if self.merged_token_rows else {}),
+                **({"reward_read_as_trained": True} if self.reward_read_as_trained else {}),
                 **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
 
 
@@ -135,9 +144,11 @@ def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int) -> in
     return every * 3 // 2 if trainer == "orpo" else every
 
 
-def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Device, world: int = 1) -> TrainPlan:
-    """The plan of one resolved run (snaketrl.config.resolve.resolve_run) on `device`, as one of `world` processes.
-    Refuses, before any model loads, what cannot run."""
+def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, device: Device, world: int = 1,
+             reward_dir=None) -> TrainPlan:
+    """The plan of one resolved run (snaketrl.config.resolve.resolve_run) on `device`, as one of `world` processes,
+    training on `train_file` (with the reward model in `reward_dir`, where it has one). Refuses, before any model
+    loads, what cannot run."""
     spec = REGISTRY[run["trainer"]]
     name, entry = run["name"], run["model_entry"]
     lengths = json.loads(Path(lengths_file).read_text())
@@ -226,6 +237,12 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
     dedupes, why = dedupes_prefill(run, device.name, args, sharded)
     if dedupes:
         notes.append(f"generation prefills each distinct prompt once: {why}")
+    rows_merged, why = merges_token_rows(run, model_dir)
+    if rows_merged:
+        notes.append(f"generation with the trained token rows merged: {why}")
+    reads, why = reward_reads_as_trained(run, train_file, reward_dir)
+    if reads:
+        notes.append(f"the reward model reads plain prompts with eos: {why}")
     compiles, why = compiles_decode(run, device.name, args, sharded,
                                     planned_generations(args, lengths, world) if run["trainer"] in COMPILES else None)
     cache = cache_positions(lengths, args) if compiles else 0
@@ -236,7 +253,8 @@ def plan_run(run: dict, *, model_dir, lengths_file, checkpoint_dir, device: Devi
                      choice=choice, args=args, checkpointing=bool(args.activation_checkpointing), attention=attention,
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
                      inverse_cdf_sampling=inverse_cdf, packed_generation=packs, deduped_prefill=dedupes,
-                     compiled_decode=cache, notes=tuple(notes))
+                     merged_token_rows=rows_merged, reward_read_as_trained=reads, compiled_decode=cache,
+                     notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:
@@ -295,6 +313,37 @@ def dedupes_prefill(run: dict, device: str, args, sharded: bool) -> tuple[bool, 
         return False, ""
     return True, (f"its {args.num_generations} completions of a prompt share one prefill: SmolLM2-135M's generation "
                   f"of 16 completions of 4 prompts on one EPYC thread took 0.6-1.1 CPU-s less (docs/benchmarks.md)")
+
+
+def merges_token_rows(run: dict, model_dir) -> tuple[bool, str]:
+    """Whether a GRPO, RLOO or online DPO run generates with the token rows its model trains (a chat template's added
+    tokens: peft's trainable tokens) merged into their layers' weights (snaketrl.train.generation
+    .merge_rows_for_generation), and why: the same logits, without the whole weight built at each decode step. On
+    every device and model: nothing differs but the copies."""
+    if run["trainer"] not in GENERATES or not trains_token_rows(model_dir, run["lora"]):
+        return False, ""
+    return True, ("unmerged, peft's trainable tokens build their layer's whole weight (vocabulary x hidden) at every "
+                  "forward, for the embeddings and again for a tied head: at Gemma 3's 262,146 x 640 in bf16, 0.19 "
+                  "CPU-s a copy, two per decode step")
+
+
+def reward_reads_as_trained(run: dict, train_file, reward_dir) -> tuple[bool, str]:
+    """Whether a GRPO, RLOO or online DPO run's reward model reads its plain prompts and completions as
+    RewardTrainer trained it, with eos (snaketrl.train.reward_reading), and why: where it has a reward model
+    (`reward_dir`) and its prompts are plain text (TRL's own test: the first prompt's type, after the chat
+    conversion snaketrl.train.run gives the rows). Conversations are rendered by the reward tokenizer's chat
+    template, as trained, already."""
+    if not REGISTRY[run["trainer"]].reward_funcs or not reward_dir:
+        return False, ""
+    with open(train_file) as rows:
+        line = rows.readline()
+    if not line.strip():
+        return False, ""
+    first = json.loads(line)
+    if not isinstance((as_chat([first])[0] if run.get("chat", False) else first).get("prompt"), str):
+        return False, ""
+    return True, ("TRL scores plain text without the eos RewardTrainer appended to every text it trained on: on "
+                  "SmolLM2 that score anti-correlated with the score with eos (-0.32 over 16 GRPO completions)")
 
 
 # bench/rl.py --configfile bench/rl-gpu.yaml on an H200 (docs/benchmarks.md, "Online RL on a GPU"): GRPO's first

@@ -26,13 +26,11 @@ class ReadsAsTrained:
         return getattr(self.tokenizer, name)
 
 
-def read_as_trained(trainer, train_dataset) -> None:
-    """Every reward-model reward function of `trainer` reads plain texts as trained, where the prompts are plain
-    (TRL's own test: the first prompt's type)."""
+def read_as_trained(trainer) -> None:
+    """Every reward-model reward function of `trainer` reads plain texts as trained: for a run whose prompts are
+    plain, as its plan decides (snaketrl.train.plan.reward_reads_as_trained)."""
     import torch
 
-    if not len(train_dataset) or not isinstance(train_dataset[0]["prompt"], str):
-        return
     for i, func in enumerate(trainer.reward_funcs):
         if isinstance(func, torch.nn.Module):
             trainer.reward_processing_classes[i] = ReadsAsTrained(trainer.reward_processing_classes[i])

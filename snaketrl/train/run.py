@@ -25,7 +25,7 @@ from snaketrl.models.tokenizer import prepare_tokenizer
 from snaketrl.processes import give_back_freed_memory
 from snaketrl.train import live, training_samples
 from snaketrl.train.attention import answering_trl_flash_warnings, unpad
-from snaketrl.train.generation import GENERATES, compile_decode, merge_for_generation, merge_rows_for_generation
+from snaketrl.train.generation import compile_decode, merge_for_generation, merge_rows_for_generation
 from snaketrl.train.head import contiguous_head
 from snaketrl.train.labelled import choose as choose_labelled
 from snaketrl.train.labelled import completion_logits, use_one_pass
@@ -57,14 +57,14 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     from snaketrl.train.guard import DivergenceGuard
     from snaketrl.train.tokens import FlopBudget, TokenBudget, TokenCounter
 
-    # Plan: everything the job decides from its config, the length stage's file, the device and the process
-    # group, before any model loads (snaketrl.train.plan).
+    # Plan: everything the job decides from its config, its input files, the device and the process group, before
+    # any model loads (snaketrl.train.plan).
     world = int(os.environ.get("WORLD_SIZE", "1"))  # launched (snaketrl.train.distributed): `world` processes
     device = detect_device()
     if world > 1 and device.name == "cpu" and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
         skip_deepspeed_inference_ops()  # accelerate's zero2 and zero3: before the training arguments are built
-    plan = plan_run(run, model_dir=model_dir, lengths_file=lengths_file, checkpoint_dir=checkpoint_dir, device=device,
-                    world=world)
+    plan = plan_run(run, model_dir=model_dir, lengths_file=lengths_file, train_file=train_file,
+                    checkpoint_dir=checkpoint_dir, device=device, world=world, reward_dir=reward_dir)
     for note in plan.notes:
         log.info("%s: %s", run["name"], note)
     spec, args, entry = plan.spec, plan.args, run["model_entry"]
@@ -182,7 +182,8 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
                   callbacks: list):
     """The run's TRL trainer with its LoRA adapter (`lora`: the run's, with the rows of tokens its chat template
     added), and its forward as planned: one-pass SFT loss or DPO's completion logits where `labelled`, row groups,
-    unpadded varlen layers, merged generation, compiled decode."""
+    unpadded varlen layers, merged generation (the adapter, the trained token rows), the reward model's reading,
+    compiled decode."""
     from peft import LoraConfig
 
     run, spec, args = plan.run, plan.spec, plan.args
@@ -222,10 +223,10 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         from snaketrl.train.ppo import bound_logits as bound_ppo_logits
 
         bound_ppo_logits(trainer)  # TRL's path unless an update's logits exceed a chunk
-    if spec.reward_funcs and reward_dir:
+    if plan.reward_read_as_trained:
         from snaketrl.train.reward_reading import read_as_trained
 
-        read_as_trained(trainer, train_ds)  # plain prompts: the reward model reads them with eos, as trained
+        read_as_trained(trainer)  # plain prompts: the reward model reads them with eos, as trained
     if run["trainer"] == "ppo" and run.get("chat", False):
         from snaketrl.train.ppo import score_to_turn_end
 
@@ -245,7 +246,7 @@ def build_trainer(plan: TrainPlan, model, tokenizer, train_ds, eval_ds, labelled
         pack_for_generation(trainer, run["trainer"])
     if plan.deduped_prefill:
         dedupe_prefill(trainer, run["trainer"])
-    if lora.get("trainable_token_indices") and run["trainer"] in GENERATES:
+    if plan.merged_token_rows:
         # outermost, so that generation's packed copies (packed.py) are of the merged rows
         merge_rows_for_generation(trainer, run["trainer"])
     if plan.compiled_decode:
