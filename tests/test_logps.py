@@ -246,6 +246,43 @@ def test_chunks_project_with_the_trained_rows_of_a_wrapped_head(trainer_class, r
     assert not torch.allclose(grads3[delta], grads[delta], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_head_with_trained_rows_builds_its_weight_once_a_pass(recompute, tmp_path, monkeypatch):
+    """peft's trainable-tokens head builds its whole weight (vocabulary x hidden) at each call of its forward: the
+    chunked pass (4 chunks of 24 of the 80 positions) builds it once, forward and backward together, whether chunks
+    keep their logits or recompute them, and the embeddings once, in the model's forward. With the head's own
+    forward per chunk it was once a chunk, and again a chunk recomputed. The values: test above."""
+    import torch
+    import trl
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    from snaketrl.train import logps
+
+    monkeypatch.setattr(logps, "CHUNK_BYTES", 24 * VOCAB * 4)
+    if recompute:
+        monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", 24 * VOCAB * 4)
+    builds, build = [], TrainableTokensLayer.get_merged_weights
+    monkeypatch.setattr(TrainableTokensLayer, "get_merged_weights",
+                        lambda layer, active: builds.append(layer) or build(layer, active))
+    ids = trained_row_ids()
+    counts = {}
+    for one_weight in (True, False):
+        if not one_weight:  # each chunk through the head's own forward, as before
+            monkeypatch.setattr(logps, "one_weight_forward", lambda head: head.forward)
+        model = trained_rows_model(tmp_path)
+        trainer = fake_trainer(trl.GRPOTrainer, model)
+        logps.chunk_completion_logits(trainer)
+        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+        builds.clear()
+        lp, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), KEEP)
+        lp.sum().backward()
+        counts[one_weight] = (sum(b is head.token_adapter for b in builds),
+                              sum(b is embeddings.token_adapter for b in builds), len(builds))
+    chunks = -(-ROWS * KEEP // 24)
+    assert chunks == 4 and counts[True] == (1, 1, 2)
+    assert counts[False] == (chunks * (2 if recompute else 1), 1, chunks * (2 if recompute else 1) + 1)
+
+
 def test_ppo_chunks_project_with_the_trained_rows_of_a_wrapped_head(tmp_path):
     """PPO's bounded pass (snaketrl.train.ppo: the hidden states where TRL's loop expects logits, projected a chunk
     at a time by the head's own forward, recomputed in the backward pass) on a head with trained rows: TRL's

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import types
 
+from snaketrl.train.head import one_weight_forward, vocabulary
+
 # The trainers whose completion log-probs this module computes.
 TRAINERS = ("grpo", "rloo")
 
@@ -159,14 +161,16 @@ def chunk_completion_logits(trainer) -> None:
         if id(inner) not in fits:
             fits[id(inner)] = supported(inner)
         head = inner.get_output_embeddings() if fits[id(inner)] else None
+        vocab = vocabulary(head) if head is not None else 0
         batch_size = min(batch_size or input_ids.size(0), input_ids.size(0))
         if (head is None or compute_aux_loss or any(v is not None for v in images.values())
                 or (compute_entropy and getattr(self, "_entropy_bonus_enabled", False))
-                or not exceeds_chunk(batch_size * (logits_to_keep + 1), head.weight.shape[0])):
+                or not exceeds_chunk(batch_size * (logits_to_keep + 1), vocab)):
             return trl_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                              compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **images)
-        positions = chunk_positions(head.weight.shape[0], 4)  # fp32 logits at most
-        recompute = keeps_too_much(input_ids.size(0) * logits_to_keep, head.weight.shape[0])
+        positions = chunk_positions(vocab, 4)  # fp32 logits at most
+        recompute = keeps_too_much(input_ids.size(0) * logits_to_keep, vocab)
+        project = one_weight_forward(head)  # a head that trains rows: its weight built once for every chunk
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
@@ -175,7 +179,7 @@ def chunk_completion_logits(trainer) -> None:
                 hidden = model(input_ids=ids, attention_mask=mask, logits_to_keep=logits_to_keep + 1,
                                use_cache=False).logits
             # the projection's own forward: its hooks ran above, once for the whole batch
-            logps, entropies = chunked_logps(hidden[:, :-1][:, -logits_to_keep:], head.forward,
+            logps, entropies = chunked_logps(hidden[:, :-1][:, -logits_to_keep:], project,
                                              ids[:, -logits_to_keep:], self.temperature, compute_entropy, positions,
                                              autocast[0], recompute)
             all_logps.append(logps)

@@ -27,12 +27,15 @@ chunk's positions: a 65,536-entry vocabulary's step of 768 positions measured 0.
 all of them at once 1.33 of the 12·V count (tests/test_memory.py). GRPO and RLOO (snaketrl.train.logps) chunk the
 same way, and where all their completion logits fit in logps.KEPT_LOGITS_BYTES (`kept`) the chunks before the last
 keep their fp32 logits for the backward pass too: 4·V bytes a position more. A head whose rows a chat template added
-train (`trained_rows`: peft's TrainableTokensWrapper) builds its whole weight, vocabulary x hidden, at each call of
-its forward, and each chunk keeps that copy for its backward pass: one per chunk kept, one where chunks are
-recomputed. tests/test_memory.py measures GRPO's step at 0.998 to 1.05 of this count, kept or recomputed, plain head
-or trained rows (every tensor alive at once). bench/vocab_memory.py on Gemma 3 270M with ChatML (below; 4
-completions of 32 tokens: 2 chunks kept, 2 weight copies of 0.31 GiB): 1.54 GiB estimated against 1.38 measured
-(1.11; from the start of training 1.80: 0.86); on the 64-wide model with Gemma's vocabulary (a plain head) GRPO
+train (`trained_rows`: peft's TrainableTokensWrapper) builds its whole weight, vocabulary x hidden, once a pass
+(snaketrl.train.head.one_weight_forward), which every chunk reads; over several chunks the backward pass holds it,
+its gradient summed over the chunks and a chunk's own gradient until added: three copies, less the last chunk's
+kept logits (freed by then) where chunks keep them; one in TRL's path (one chunk). tests/test_memory.py measures
+GRPO's step at 0.995 to 1.05 of this count, kept or recomputed, plain head or trained rows (every tensor alive at
+once; a 256-wide head, whose weight is four chunk logits' worth as Gemma 3's bf16 one is five). bench/vocab_memory.py
+on Gemma 3 270M with ChatML (below; 4 completions of 32 tokens: 2 chunks kept, each with its own weight copy of 0.31
+GiB then, before the one weight a pass): 1.54 GiB estimated against 1.38 measured (1.11; from the start of training
+1.80: 0.86); on the 64-wide model with Gemma's vocabulary (a plain head) GRPO
 0.315 against 0.348 (0.90), RLOO 0.315 against 0.317 (1.00). The count before, every position at 12·V prompts included,
 was 2.9 times the 64-wide model's step and 1.04 of Gemma's only by the weight copies it did not know of (1.90 of
 Gemma's step before the chunks kept their logits: 0.76 GiB measured then).
@@ -84,8 +87,8 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     snaketrl.train.scored; GRPO, RLOO: snaketrl.train.logps; PPO: snaketrl.train.ppo), so that its logits count
     those positions at most; `kept`: the other chunks keep their logits for the backward pass where all of them fit
     in logps.KEPT_LOGITS_BYTES (GRPO's and RLOO's); `trained_rows`: a chunked trainer's output projection trains
-    rows (a chat template's added tokens: peft's wrapper builds its whole weight at each projection, and each
-    chunk kept keeps its copy, the one recomputed at a time otherwise); `value_model`: the trained pass runs a value
+    rows (a chat template's added tokens: peft's wrapper's whole weight, built once a pass, and its gradient summed
+    over the chunks); `value_model`: the trained pass runs a value
     model of the same shape on the same tokens (PPO's), whose layers count again."""
     from snaketrl.train.logps import chunk_positions, exceeds_chunk, keeps_too_much
 
@@ -96,19 +99,23 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     per_hidden, per_intermediate = KEPT[4 if dtype_bytes >= 4 else 2]
     per_layer = per_hidden * hidden + per_intermediate * intermediate
     positions = tokens if projected is None else projected
-    copies = 0
+    head = 4 * vocab * hidden if upcast_head and dtype_bytes < 4 else 0
     if chunked:
         # a batch whose logits fit in one chunk (CHUNK_BYTES) keeps TRL's path, all its positions at once
-        chunk = chunk_positions(vocab, 4) if exceeds_chunk(positions, vocab) else positions
+        several = exceeds_chunk(positions, vocab)
+        chunk = chunk_positions(vocab, 4) if several else positions
         logits = CHUNKED_LOGITS * vocab * chunk
-        copies = 1
-        if kept and not keeps_too_much(positions, vocab):
+        kept_logits = kept and not keeps_too_much(positions, vocab)
+        if kept_logits:
             logits += KEPT_CHUNK_LOGITS * vocab * (positions - chunk)
-            copies = -(-positions // max(chunk, 1))
+        if trained_rows:
+            # the weight built once a pass (snaketrl.train.head.one_weight_forward); over several chunks the backward
+            # pass sums the chunks' gradients of it in another such tensor, a chunk's own gradient of it beside it
+            # until added: three copies, less the last chunk's kept logits, freed by then
+            weight = vocab * hidden * (4 if dtype_bytes >= 4 else 2)
+            head += 3 * weight - (KEPT_CHUNK_LOGITS * vocab * chunk if kept_logits else 0) if several else weight
     else:
         logits = LOGITS * vocab * positions
-    head = 4 * vocab * hidden if upcast_head and dtype_bytes < 4 else 0
-    head += copies * vocab * hidden * (4 if dtype_bytes >= 4 else 2) if trained_rows else 0
     return int(tokens * layers * per_layer * (2 if value_model else 1) + logits + head)
 
 

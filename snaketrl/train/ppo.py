@@ -51,6 +51,7 @@ from trl.experimental.ppo import ppo_trainer as trl_ppo
 from snaketrl.errors import DataError, SnaketrlError
 from snaketrl.train import logps as chunks
 from snaketrl.train.generation import merged
+from snaketrl.train.head import one_weight_forward, vocabulary
 
 VALUE_MODEL = "value_model.safetensors"
 PAD = "<|snaketrl_ppo_pad|>"
@@ -211,10 +212,11 @@ class _Hidden:
         hidden = self.hidden[row:row + rows, position:position + positions]
         flat, ids = hidden.reshape(rows * positions, hidden.shape[-1]), index.reshape(-1)
         head, autocast = self.head, self.autocast
+        project = one_weight_forward(head)  # a head that trains rows: its weight built once for every chunk
 
         def chunk(h, t):
             with autocast:  # the layer's own forward (peft's, where it trains rows), its hooks not run again
-                logits = head.forward(h)
+                logits = project(h)
             logits /= temperature
             logp = selective_log_softmax(logits, t)
             if entropies is None:
@@ -223,7 +225,7 @@ class _Hidden:
                 probs = torch.nn.functional.softmax(logits, dim=-1)
                 return logp, torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
 
-        parts = chunks.over_chunks(chunk, flat, ids, chunks.chunk_positions(head.weight.shape[0], 4))
+        parts = chunks.over_chunks(chunk, flat, ids, chunks.chunk_positions(vocabulary(head), 4))
         if entropies is not None:
             entropies.append(torch.cat([p[1] for p in parts]).view(rows, positions).mean().float())
         return torch.cat([p[0] for p in parts]).view(rows, positions)
@@ -331,7 +333,7 @@ class PPOTrainer(TRLPPOTrainer):
             inner = self.accelerator.unwrap_model(model)
             policy = inner.policy if isinstance(inner, trl_ppo.PolicyAndValueWrapper) else inner
             head = policy.get_output_embeddings() if chunks.supported(policy) else None
-            if head is None or not chunks.exceeds_chunk(query_responses.numel(), head.weight.shape[0]):
+            if head is None or not chunks.exceeds_chunk(query_responses.numel(), vocabulary(head)):
                 return trl_function(model, query_responses, pad_token_id)
             with chunks.without_projection(head) as autocast:
                 out = trl_function(model, query_responses, pad_token_id)
