@@ -278,3 +278,50 @@ def test_the_messages_troubleshooting_md_quotes_are_the_ones_the_code_writes(con
         messages.append(message_of(lambda: (validate(cfg, str(ROOT / "config" / "schema.yaml")), resolve_runs(cfg, shipped))))
     patterns = troubleshooting_patterns()
     assert [m for m in messages if not any(re.fullmatch(p, m) for p in patterns)] == []
+
+
+def rule_outputs():
+    """rule -> the output patterns rules/*.smk declare, each wildcard written `{}` (their names differ by rule)."""
+    from snaketrl import paths
+
+    def declared(*args, **kwargs):
+        return [*args, *kwargs.values()]
+
+    scope = {"paths": paths, "directory": lambda path: path.rstrip("/") + "/", "report": lambda path, **_: path}
+    outputs = {}
+    for smk in sorted((ROOT / "rules").glob("*.smk")):
+        for rule, block in re.findall(r"^(?:local)?rule (\w+):\n(?:    (?!output:).*\n)*    output:\n((?:        .*\n)+)",
+                                      smk.read_text(), re.M):
+            outputs[rule] = {re.sub(r"\{\w+\}", "{}", p) for p in eval(f"declared({block})", {**scope, "declared": declared})}
+    return outputs
+
+
+def expanded(pattern):
+    """A path with `{a,b}` alternatives as every path it names (a `{name}` without a comma is a wildcard: `{}`)."""
+    m = re.search(r"\{([^{}]*,[^{}]*)\}", pattern)
+    if not m:
+        return {re.sub(r"\{\w+\}", "{}", pattern)}
+    return {p for alt in m[1].split(",") for p in expanded(pattern[:m.start()] + alt + pattern[m.end():])}
+
+
+def test_the_outputs_workflow_md_lists_for_each_rule_are_the_ones_the_rule_declares():
+    text = (DOCS / "workflow.md").read_text()
+    rows = text[text.index("| rule | what it does | output |"):].split("\n\n")[0].splitlines()[2:]
+    table = {}
+    for line in rows:
+        rule, output = re.fullmatch(r"\| `(\w+)` \|.*\| (.*?) \|", line).groups()
+        table[rule] = {p for path in re.findall(r"`(results/[^`]+)`", output) for p in expanded(path)}
+    assert table == rule_outputs()
+
+
+def test_the_rule_graph_in_workflow_md_is_the_defaults(tmp_path):
+    proc = snakemake_cli.run(["--cores", "2", "-s", str(ROOT / "Snakefile"), "--rulegraph", "mermaid-js"],
+                             tmp_path, {**env(), "HF_HUB_OFFLINE": "1"}, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def edges(text):
+        names = dict(re.findall(r"(id\d+)\[(\w+)\]", text))
+        return set(names.values()), {(names[a], names[b]) for a, b in re.findall(r"(id\d+) --> (id\d+)", text)}
+
+    documented = re.search(r"```mermaid\n(.*?)```", (DOCS / "workflow.md").read_text(), re.S)[1]
+    assert edges(documented) == edges(proc.stdout)
