@@ -227,6 +227,27 @@ def test_every_relative_link_in_the_docs_names_a_file_that_exists():
     assert broken == []
 
 
+def anchors(page):
+    """The #anchors of a page's headings, as GitHub makes them: lower case, punctuation dropped, spaces as hyphens,
+    a repeated one numbered."""
+    seen, out = {}, set()
+    for heading in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_every_anchor_a_doc_links_to_is_a_heading_of_its_page():
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "config" / "README.md", *DOCS.glob("*.md")]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = page.parent / target if target else page
+            if not re.match(r"[a-z]+:", target) and linked.is_file() and anchor not in anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert broken == []
+
+
 def troubleshooting_patterns():
     """Each message docs/troubleshooting.md quotes from snaketrl, as a pattern: `<...>` and `...` stand for any text."""
     text = (DOCS / "troubleshooting.md").read_text()
