@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from snaketrl.config import expand_runs
 from snaketrl.evaluate.kinds import reward_model_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,23 +60,33 @@ def medians(samples):
 
 
 def scaled_config(runs: int) -> dict:
-    """The default config with runs/5 tiny models: the default's own, then numbered copies of its entries
-    in turn; the matrix trains every trainer on each. The evaluation judges with the reward runs of the
-    default's models, as the default does."""
+    """The default config with runs/5 tiny models (with_models); the matrix trains every trainer on each."""
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     trainers = cfg["matrix"]["trainers"]
     if runs < len(trainers) or runs % len(trainers):
         sys.exit(f"--runs: expected a positive multiple of {len(trainers)} (the default's trainers), got {runs}")
-    originals = list(cfg["models"].items())
-    models = {}
-    for i in range(runs // len(trainers)):
-        name, entry = originals[i % len(originals)]
-        models[name if i < len(originals) else f"{name}-{i // len(originals)}"] = copy.deepcopy(entry)
-    cfg["models"] = models
-    cfg["matrix"]["models"] = list(models)
-    if cfg.get("evaluation"):
+    return with_models(cfg, runs // len(trainers))
+
+
+def with_models(cfg: dict, n: int) -> dict:
+    """A copy of cfg whose matrix trains on n models: the first n of its matrix models, then numbered copies of
+    their entries in turn. The evaluation judges with those of its reward runs that the matrix still has."""
+    cfg = copy.deepcopy(cfg)
+    originals = cfg["matrix"]["models"]
+    if n < 1 or not originals:
+        sys.exit(f"models: expected a positive count and a matrix with models, got {n} and {originals}")
+    models = []
+    for i in range(n):
+        name = originals[i % len(originals)]
+        if i >= len(originals):
+            cfg["models"][f"{name}-{i // len(originals)}"] = copy.deepcopy(cfg["models"][name])
+            name = f"{name}-{i // len(originals)}"
+        models.append(name)
+    cfg["matrix"]["models"] = models
+    if (cfg.get("evaluation") or {}).get("reward_models"):
+        runs = expand_runs(cfg)
         cfg["evaluation"]["reward_models"] = [r for r in cfg["evaluation"].get("reward_models", [])
-                                              if reward_model_run(r).removeprefix("reward-") in models]
+                                              if reward_model_run(r) in runs]
     return cfg
 
 
