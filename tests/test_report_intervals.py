@@ -214,3 +214,18 @@ def test_a_tie_that_has_the_prompts_it_would_need_asks_for_seeds():
     short = intervals.Difference(difference=0.1, low=-0.1, high=0.3, prompts=16, seeds=(1, 2), needed=18,
                                  unit="prompts")
     assert intervals.needed(short) == "a difference this size would need about 18 prompts (has 16)"
+
+
+def test_a_tie_whose_seeds_meet_the_power_rule_asks_for_what_is_short():
+    # GRPO − its SFT start over 3 seeds and 128 prompts (docs/real-model.md's sixth try): +0.065, interval across
+    # zero, while the seeds' spread alone asked for 2 seeds: "would need about 2 seeds (has 3)" read as settled.
+    def tie(needed_prompts, prompts=128):
+        return intervals.Difference(difference=0.065, low=-0.028, high=0.152, prompts=prompts, seeds=(3, 3),
+                                    needed=2, unit="seeds", needed_prompts=needed_prompts)
+    assert intervals.needed(tie(95, prompts=64)) == "a difference this size would need about 95 prompts (has 64)"
+    assert intervals.needed(tie(95)) == (
+        "not settled with 3 seeds per run and 128 prompts, though the power rule asks about 2 and 95 for a "
+        "difference this size taken one at a time: more seeds would narrow it")
+    short = intervals.Difference(difference=0.065, low=-0.028, high=0.152, prompts=128, seeds=(3, 3), needed=12,
+                                 unit="seeds", needed_prompts=95)
+    assert intervals.needed(short) == "a difference this size would need about 12 seeds per run (has 3)"

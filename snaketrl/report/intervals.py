@@ -63,6 +63,7 @@ class Difference:
     seeds: tuple[int, int]
     needed: int | None
     unit: str  # "seeds" (per run) or "prompts"
+    needed_prompts: int | None = None  # the power rule on the prompts alone, where `unit` is seeds
 
     @property
     def lead(self) -> bool:
@@ -155,11 +156,11 @@ def paired(a: pd.DataFrame, b: pd.DataFrame) -> Difference | None:
     low, high = float(result.confidence_interval.low), float(result.confidence_interval.high)
     if np.ptp(result.bootstrap_distribution) == 0:  # scipy gives NaN for BCa then
         low = high = float(result.bootstrap_distribution[0])
+    by_prompts = sample_size(float(per_prompt.std(ddof=1)), delta)
     if len(x) > 1 and len(y) > 1:  # seeds per run: the spread of one seed's mean minus another's
-        sd, unit = math.sqrt(raw_x.mean(axis=1).var(ddof=1) + raw_y.mean(axis=1).var(ddof=1)), "seeds"
-    else:
-        sd, unit = float(per_prompt.std(ddof=1)), "prompts"
-    return Difference(delta, low, high, len(common), (len(x), len(y)), sample_size(sd, delta), unit)
+        sd = math.sqrt(raw_x.mean(axis=1).var(ddof=1) + raw_y.mean(axis=1).var(ddof=1))
+        return Difference(delta, low, high, len(common), (len(x), len(y)), sample_size(sd, delta), "seeds", by_prompts)
+    return Difference(delta, low, high, len(common), (len(x), len(y)), by_prompts, "prompts")
 
 
 def compare(scores: pd.DataFrame, first: str, second: str, column: str) -> Difference | None:
@@ -195,5 +196,12 @@ def needed(d: Difference) -> str:
     if d.needed is None:
         return "no difference observed, so no number of seeds would show one"
     if d.unit == "seeds":
-        return f"a difference this size would need about {d.needed} seeds per run (has {min(d.seeds)})"
+        if d.needed > min(d.seeds):
+            return f"a difference this size would need about {d.needed} seeds per run (has {min(d.seeds)})"
+        if d.needed_prompts is not None and d.needed_prompts > d.prompts:
+            return f"a difference this size would need about {d.needed_prompts:,} prompts (has {d.prompts})"
+        # Each alone meets the power rule; the interval counts both spreads at once (and widens a few seeds').
+        return (f"not settled with {min(d.seeds)} seeds per run and {d.prompts:,} prompts, though the power rule "
+                f"asks about {d.needed} and {d.needed_prompts:,} for a difference this size taken one at a time: "
+                f"more seeds would narrow it")
     return f"a difference this size would need about {d.needed:,} prompts (has {d.prompts})"
