@@ -130,9 +130,8 @@ def test_ppo_arms_split_their_updates(tmp_path, config, tiny_model_dir):
         assert result["activation_checkpointing"] is False and result["bf16"] is False
         assert len(result["steps"]) == 3
         for number, step in enumerate(result["steps"]):
-            assert step["completions"] == completions
-            assert completions <= step["generated_tokens"] <= completions * 8
-            assert 0 <= step["at_cap"] <= completions
+            assert step["completions"] == 4
+            assert 4 <= step["generated_tokens"] <= 4 * 8 and 0 <= step["at_cap"] <= 4
             # 2 PPO epochs over the 4 rows' prompts and completions
             assert step["trained_tokens"] > 2 * step["generated_tokens"]
             assert step["optimizer_s"] > 0 and step["rewards_s"] > 0 and step["logps_s"] > 0
