@@ -1,11 +1,14 @@
 """What a user would write instead, against snaketrl's choice, on the same GPU (or CPU) in one run.
 
 For every run of the config (bench/gpu.yaml: issue 18's SFT on LIMA and DPO on hh-rlhf with a model of
-Qwen2.5-0.5B's shape; bench/smollm2.yaml: the same data on SmolLM2-135M-Instruct, on CPU) and every seed, one
+Qwen2.5-0.5B's shape; bench/smollm2.yaml: the same data on SmolLM2-135M-Instruct, on CPU; bench/gemma3.yaml: Gemma 3
+270M, also the reward model, KTO and ORPO on hh-rlhf) and every seed, one
 epoch (or --max-steps steps) in a process of its own for each arm, every arm on the same rows (a chat model's as
 chat turns, as the workflow gives them):
-  trl         TRL's SFTTrainer / DPOTrainer written plainly, with their defaults (random batches padded to their
-              longest, TRL's activation checkpointing on), the same rows, model, LoRA, max_length and epochs
+  trl         TRL's SFTTrainer / DPOTrainer (RewardTrainer, KTOTrainer, ORPOTrainer) written plainly, with their
+              defaults (random batches padded to their longest, TRL's activation checkpointing on), the same rows,
+              model, LoRA, max_length and epochs; a reward model loaded as TRL's docs do (a sequence classifier
+              with num_labels=1, LoRA's SEQ_CLS task)
   trl-packed  the same with packing=True (SFT only)
   trl-tuned   packing=True and activation checkpointing off: what a user who tunes TRL writes (SFT only)
   trl-cpu-bf16  on a CPU, TRL's defaults once told use_cpu=True (without it TRL refuses a machine with no bf16
@@ -14,8 +17,9 @@ chat turns, as the workflow gives them):
               checkpointing it chooses from memory
 Prints real (non-pad) tokens per second of training steps (each step timed after the GPU finished its work),
 token efficiency, the CPU seconds of the training loop (on a shared CPU the steadier measure: other load stretches
-wall time, not a one-thread process's CPU time), peak GPU memory, an MFU estimate, the eval loss (mean ± std over
-seeds), and the ratios against TRL's defaults, with the device's name and torch's version.
+wall time, not a one-thread process's CPU time), peak GPU memory (on a CPU the process's peak RSS), an MFU estimate,
+the eval loss (mean ± std over seeds), and the ratios against TRL's defaults, with the device's name and torch's
+version.
 
     python bench/gpu.py                                    # on a GPU machine: the table for the README
     python bench/gpu.py --configfile bench/smollm2.yaml --max-steps 6     # SmolLM2 on CPU (docs/real-model.md)
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -54,6 +59,7 @@ from efficiency import (  # noqa: E402
 
 ARMS = ("trl", "trl-packed", "trl-tuned", "trl-cpu-bf16", "snaketrl")
 PACKED = ("trl-packed", "trl-tuned")
+OFFLINE = ("sft", "dpo", "reward", "kto", "orpo")  # the trainers it runs: no generation (bench/rl.py's)
 # Dense bf16 peaks (no sparsity) from the vendors' data sheets, matched on torch.cuda.get_device_name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0,
                "L4": 121.0, "A10": 125.0}
@@ -117,9 +123,10 @@ def profiler(out: str, skip: int = 2, steps: int = 3):
 def plain_trl(job: dict) -> dict:
     """The user's alternative: TRL's trainer with its defaults (packing as the arm says), one epoch."""
     import torch
+    import transformers
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from snaketrl.data.chat import as_chat
     from snaketrl.io import read_jsonl
@@ -141,8 +148,11 @@ def plain_trl(job: dict) -> dict:
         from snaketrl.train.attention import register
 
         register()
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                 **({"attn_implementation": attention} if attention else {}))
+    # A reward model as TRL's docs load one: a sequence classifier with one label (RewardTrainer refuses others)
+    labels = {"num_labels": 1} if spec.task_type == "SEQ_CLS" else {}
+    model = getattr(transformers, spec.model_class).from_pretrained(
+        job["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32, **labels,
+        **({"attn_implementation": attention} if attention else {}))
     counter, clock = TokenCounter(tokenizer.pad_token_id), cpu_clock()
     extra = [profiler(job["profile"])] if job.get("profile") else []
     rows = {split: read_jsonl(job[split]) for split in ("train", "eval")}  # the workflow's rows, as chats where it
@@ -150,7 +160,7 @@ def plain_trl(job: dict) -> dict:
     trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
                                  train_dataset=Dataset.from_list(rows["train"]),
                                  eval_dataset=Dataset.from_list(rows["eval"]),
-                                 peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]),
+                                 peft_config=LoraConfig(task_type=spec.task_type, **run["lora"]),
                                  callbacks=[counter, clock, *extra])
     counter.watch(trainer)  # DPO's reference forwards count, as in train_run
     metrics = dict(trainer.train().metrics)
@@ -202,7 +212,8 @@ def worker(job_file: str) -> None:
         "warm_tokens_per_s": metrics.get("warm_real_tokens_per_second"), "epoch_s": metrics["train_runtime"],
         "cpu_s": metrics["cpu_s"], "eval_loss": metrics["eval_loss"],
         "train_loss": metrics.get("train_loss"), "real_tokens": metrics["real_tokens"],
-        "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+        "peak_gib": (torch.cuda.max_memory_allocated() / 2 ** 30 if cuda
+                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20),  # KiB on Linux
         "flops": metrics["flops"], "train_s": metrics["train_seconds"],
         "mfu": metrics["flops"] / metrics["train_seconds"] / peak if peak and metrics["train_seconds"] else None}),
         flush=True)
@@ -260,7 +271,7 @@ def table(name: str, results: dict[str, list[dict]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configfile", type=Path, default=ROOT / "bench" / "gpu.yaml")
-    ap.add_argument("--runs", nargs="*", help="run names (default: every SFT and DPO run)")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every SFT, DPO, reward, KTO and ORPO run)")
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="*", type=int, default=[42])
     ap.add_argument("--max-steps", type=int, help="train this many steps instead of one epoch")
@@ -288,8 +299,8 @@ def main() -> None:
     configfile = opts.configfile.resolve()
     os.chdir(ROOT)  # config paths are relative to the project, as for Snakemake
     config, runs = load_config(configfile)
-    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in ("sft", "dpo")]
-    out = ["| run | arm | token efficiency | real tokens/s | after step 1 | epoch (s) | CPU (s) | peak GPU memory (GiB) "
+    names = opts.runs or [n for n, r in runs.items() if r["trainer"] in OFFLINE]
+    out = ["| run | arm | token efficiency | real tokens/s | after step 1 | epoch (s) | CPU (s) | peak memory (GiB) "
            "| MFU | train loss | eval loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     device = None
     schedule = {**EPOCH, "max_steps": opts.max_steps} if opts.max_steps else EPOCH

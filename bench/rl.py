@@ -5,8 +5,8 @@ most 64 tokens a step; PPO, 8 completions of at most 24 tokens an update) and ev
 (PPO: updates) in a process of its own for each arm, every arm with the same model, prompts (the workflow's rows,
 as chat turns where it gives them so), reward functions, LoRA, seed, steps, completion cap, generations per prompt,
 batch, learning rate and sampling temperature:
-  trl           TRL's GRPOTrainer / RLOOTrainer written plainly, with its defaults for everything else (activation
-                checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
+  trl           TRL's GRPOTrainer / RLOOTrainer (OnlineDPOTrainer) written plainly, with its defaults for everything
+                else (activation checkpointing on; on a CPU bf16 off, which TRL otherwise refuses there)
   trl-tuned     what a user who tunes TRL writes: activation checkpointing off, generation by model.generate
   trl-tuned-cb  the same with use_transformers_continuous_batching=True (on a 2-core EPYC the slower of the two,
                 docs/real-model.md: so trl-tuned leaves it off; run both to measure again)
@@ -29,7 +29,13 @@ the steadier measure: other load stretches wall time, not a one-thread process's
   other         what the three leave of the step (gradient clipping, the scheduler, callbacks, splitting the batch):
                 small when the seams cover the step (tests/test_bench_rl.py checks it)
 by wrapping those methods on the trainer's class in the arm's own process (an override in a subclass is timed
-through its call of the base's).
+through its call of the base's). Online DPO (trl.experimental.online_dpo: two completions a prompt, the pair ranked
+by the reward functions) does all of it in `training_step` (OnlineDPOStepSplit):
+  generation    from the step's start to its first forward with gradients (`_generate`, and snaketrl's merged
+                weights around it)
+  scoring       `_forward` without gradients (the reference pass) and `_calculate_rewards_from_functions`
+  trained pass  the rest of `training_step` (forward with gradients, the loss, its statistics, backward) and the
+                optimizer step; other as above
 PPO (TRL's own loop, trl.experimental.ppo: one optimizer step per minibatch, num_ppo_epochs x num_mini_batches of
 them per update) is timed per update, from the previous update's on_step_end (the first: on_train_begin) to its own,
 through the loop's module functions and its log call:
@@ -82,8 +88,11 @@ DEFAULT_ARMS = ("trl", "trl-tuned", "snaketrl")
 TUNED = {"trl-tuned": {"activation_checkpointing": False},
          "trl-tuned-cb": {"activation_checkpointing": False, "use_transformers_continuous_batching": True}}
 ONLINE = ("grpo", "rloo")  # trainers whose steps go through TRL's _generate_and_score_completions
-BENCHED = (*ONLINE, "ppo")  # and PPO, timed through its own loop (PPOStepSplit)
-NOT_FOR_PPO = ("trl-tuned-cb",)  # TRL's PPO has no continuous batching
+# and online DPO, timed through its training_step (OnlineDPOStepSplit), and PPO through its own loop (PPOStepSplit)
+BENCHED = (*ONLINE, "online_dpo", "ppo")
+# Arms a trainer has not: TRL's PPO and online DPO have no continuous batching; online DPO's decode is no
+# `_generate_single_turn` for snaketrl-compiled to compile (snaketrl.train.generation.COMPILES)
+NOT_FOR = {"ppo": ("trl-tuned-cb",), "online_dpo": ("trl-tuned-cb", "snaketrl-compiled")}
 PARTS = ("generation", "scoring", "trained", "other")
 
 
@@ -93,19 +102,22 @@ class StepSplit:
     `wrap(cls)` times the trainer class's seams; `callback()` opens and closes each step. Calls outside a step
     (the end-of-training evaluation) are not counted."""
 
+    SEAMS = ("_generate", "_generate_and_score_completions", "_prepare_inputs", "training_step", "_calculate_rewards",
+             "_get_per_token_logps_and_entropies")
+
     def __init__(self):
         self.steps: list[dict] = []
         self.current: dict | None = None
 
+    def parts_of(self, raw: dict, clock: str = "") -> dict:
+        return parts(raw, clock)
+
     def wrap(self, cls) -> None:
-        for name in ("_generate", "_generate_and_score_completions", "_prepare_inputs", "training_step",
-                     "_calculate_rewards", "_get_per_token_logps_and_entropies"):
+        for name in self.SEAMS:
             setattr(cls, name, self.timed(getattr(cls, name), name))
 
     def timed(self, method, name: str):
         import functools
-
-        import torch
 
         split = self
 
@@ -115,24 +127,34 @@ class StepSplit:
             if step is None:
                 return method(trainer, *args, **kwargs)
             started = clocks()
+            key = split.key(step, name, started)
             out = method(trainer, *args, **kwargs)
-            key = name
-            if name == "_get_per_token_logps_and_entropies":  # the loss's forward has gradients; scoring's none
-                key = "logps_no_grad" if not torch.is_grad_enabled() else "logps_grad"
             add(step, key, started)
-            if name == "_calculate_rewards":  # (completions x functions), NaN where a function gave none
-                weights = trainer.reward_weights.to(out.device).unsqueeze(0)
-                step["rewards"] += (out * weights).nansum(dim=1).tolist()
-            elif name == "_generate_and_score_completions":
-                lengths = out["completion_mask"].sum(dim=1)
-                step["completions"] += int(lengths.numel())
-                step["generated_tokens"] += int(lengths.sum())
-                step["at_cap"] += int((lengths >= trainer.max_completion_length).sum())
-            elif name == "_prepare_inputs" and trainer.model.training:
-                step["trained_tokens"] += int(out["prompt_mask"].sum() + out["completion_mask"].sum())
+            split.count(step, trainer, key, args, out)
             return out
 
         return timed
+
+    def key(self, step: dict, name: str, started: tuple[float, float]) -> str:
+        """The key a call of seam `name` adds its seconds to."""
+        import torch
+
+        if name == "_get_per_token_logps_and_entropies":  # the loss's forward has gradients; scoring's none
+            return "logps_grad" if torch.is_grad_enabled() else "logps_no_grad"
+        return name
+
+    def count(self, step: dict, trainer, key: str, args: tuple, out) -> None:
+        """What the call made: rewards, completions and their tokens, trained tokens."""
+        if key == "_calculate_rewards":  # (completions x functions), NaN where a function gave none
+            weights = trainer.reward_weights.to(out.device).unsqueeze(0)
+            step["rewards"] += (out * weights).nansum(dim=1).tolist()
+        elif key == "_generate_and_score_completions":
+            lengths = out["completion_mask"].sum(dim=1)
+            step["completions"] += int(lengths.numel())
+            step["generated_tokens"] += int(lengths.sum())
+            step["at_cap"] += int((lengths >= trainer.max_completion_length).sum())
+        elif key == "_prepare_inputs" and trainer.model.training:
+            step["trained_tokens"] += int(out["prompt_mask"].sum() + out["completion_mask"].sum())
 
     def callback(self):
         from transformers import TrainerCallback
@@ -153,7 +175,7 @@ class StepSplit:
             def on_step_end(self, args, state, control, **kwargs):
                 step, split.current = split.current, None
                 add(step, "step", step.pop("started"))
-                split.steps.append(summarize_step(step))
+                split.steps.append(summarize_step(step, split.parts_of))
 
         return Clock()
 
@@ -199,6 +221,49 @@ def summarize_step(raw: dict, parts_of=parts) -> dict:
             "completions": raw["completions"], "generated_tokens": raw["generated_tokens"],
             "trained_tokens": raw["trained_tokens"], "at_cap": raw["at_cap"],
             "reward": statistics.fmean(rewards) if rewards else None}
+
+
+class OnlineDPOStepSplit(StepSplit):
+    """StepSplit for TRL's online DPO, whose `training_step` generates, scores and trains in one call: `wrap(cls)`
+    times it, `_forward` (with gradients: the trained pass; without: the reference pass) and
+    `_calculate_rewards_from_functions`, and counts what `_generate` made. Generation is the step's start up to its
+    first forward with gradients: the sampling of two completions a prompt, with what snaketrl puts around it (its
+    merged weights, snaketrl.train.generation, patch the trainer's own `_generate`, outside the class's)."""
+
+    SEAMS = ("training_step", "_generate", "_forward", "_calculate_rewards_from_functions")
+
+    def parts_of(self, raw: dict, clock: str = "") -> dict:
+        def t(key):
+            return raw.get(key + clock, 0.0)
+
+        generation = t("generation")
+        scoring = t("logps_no_grad") + t("_calculate_rewards")
+        trained = t("training_step") - generation - scoring + t("optimizer")
+        return {"generation": generation, "scoring": scoring, "trained": trained,
+                "other": t("step") - generation - scoring - trained}
+
+    def key(self, step: dict, name: str, started: tuple[float, float]) -> str:
+        import torch
+
+        if name == "training_step":
+            step["training_started"] = started
+        elif name == "_forward":
+            key = "logps_grad" if torch.is_grad_enabled() else "logps_no_grad"
+            if key == "logps_grad" and "training_started" in step:
+                add(step, "generation", step.pop("training_started"))
+            return key
+        return {"_calculate_rewards_from_functions": "_calculate_rewards"}.get(name, name)
+
+    def count(self, step: dict, trainer, key: str, args: tuple, out) -> None:
+        if key == "_generate":  # (prompt ids, prompt mask, completion ids, completion mask)
+            lengths = out[3].sum(dim=1)
+            step["completions"] += int(lengths.numel())
+            step["generated_tokens"] += int(lengths.sum())
+            step["at_cap"] += int((lengths >= trainer.generation_config.max_new_tokens).sum())
+        elif key == "logps_grad":  # (model, prompt ids, prompt mask, completion ids, completion mask)
+            step["trained_tokens"] += int(args[2].sum() + args[4].sum())
+        elif key == "_calculate_rewards":  # weighted and summed: one a completion
+            step["rewards"] += out.tolist()
 
 
 class PPOStepSplit:
@@ -402,7 +467,7 @@ def plain_trl(job: dict, callbacks: list) -> dict:
                                  peft_config=LoraConfig(task_type="CAUSAL_LM", **run["lora"]), callbacks=callbacks)
     trainer.train()
     return {"activation_checkpointing": config.activation_checkpointing, "bf16": config.bf16,
-            "continuous_batching": config.use_transformers_continuous_batching}
+            "continuous_batching": getattr(config, "use_transformers_continuous_batching", False)}  # online DPO has none
 
 
 def plain_trl_ppo(job: dict, callbacks: list) -> dict:
@@ -517,7 +582,7 @@ def worker(job_file: str) -> None:
             compiled_ppo(load(REGISTRY["ppo"].trainer))
         plain = plain_trl_ppo
     else:
-        split = StepSplit()
+        split = OnlineDPOStepSplit() if job["run"]["trainer"] == "online_dpo" else StepSplit()
         cls = load(REGISTRY[job["run"]["trainer"]].trainer)
         split.wrap(cls)
         if job["arm"] == "snaketrl-compiled":
@@ -678,7 +743,7 @@ HEADER = ["| run | arm | step (s) | CPU (s) | generation (s) | scoring (s) | tra
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configfile", type=Path, default=ROOT / "bench" / "rl.yaml")
-    ap.add_argument("--runs", nargs="*", help="run names (default: every GRPO, RLOO and PPO run)")
+    ap.add_argument("--runs", nargs="*", help="run names (default: every GRPO, RLOO, online DPO and PPO run)")
     ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps of every arm")
@@ -709,18 +774,17 @@ def main(argv=None) -> None:
     names = opts.runs or [n for n, r in runs.items() if r["trainer"] in BENCHED]
     unknown = [n for n in names if n not in runs or runs[n]["trainer"] not in BENCHED]
     if unknown:
-        sys.exit(f"{configfile}: --runs {' '.join(unknown)}: expected GRPO, RLOO or PPO runs of the config "
+        sys.exit(f"{configfile}: --runs {' '.join(unknown)}: expected GRPO, RLOO, online DPO or PPO runs of the config "
                  f"({', '.join(n for n, r in runs.items() if r['trainer'] in BENCHED)})")
     out, report, device = list(HEADER), {"command": sys.argv, "runs": {}}, None
     for name in names:
         run = runs[name]
         schedule = {"max_steps": opts.steps, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1}
-        inputs, arms = {}, opts.arms
+        inputs, arms = {}, [arm for arm in opts.arms if arm not in NOT_FOR.get(run["trainer"], ())]
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the table
             model_dir = base_model(config, run["model"], opts.work)
             if run["trainer"] == "ppo":
                 schedule = ppo_schedule(run, opts.steps)
-                arms = [arm for arm in opts.arms if arm not in NOT_FOR_PPO]
                 if run.get("policy"):
                     print(f"{name}: every arm starts from the base model, not from {run['policy']} (the bench "
                           f"trains no SFT run)", file=sys.stderr)

@@ -18,7 +18,8 @@ def test_peak_is_the_most_specific_device_name():
     assert gpu.peak_flops("Some new card") is None
 
 
-@pytest.mark.parametrize("trainer, arm", [("sft", "trl"), ("sft", "trl-packed"), ("sft", "trl-tuned"), ("dpo", "trl")])
+@pytest.mark.parametrize("trainer, arm", [("sft", "trl"), ("sft", "trl-packed"), ("sft", "trl-tuned"), ("dpo", "trl"),
+                                          ("reward", "trl"), ("kto", "trl"), ("orpo", "trl")])
 def test_the_plain_trl_arm_trains_with_trls_defaults(trainer, arm, tmp_path, config, tiny_model_dir):
     from test_trainers import prepare
 
@@ -35,9 +36,9 @@ def test_the_plain_trl_arm_trains_with_trls_defaults(trainer, arm, tmp_path, con
     # TRL's default, which snaketrl decides from memory; the tuned arm turns it off
     assert metrics["activation_checkpointing"] is (arm != "trl-tuned")
     assert metrics["real_tokens"] > 0 and metrics["real_tokens_per_second"] > 0
-    # MFU's numerator: the FLOPs counted as in every run, DPO's reference forwards (adapter off) among them
+    # MFU's numerator: the FLOPs counted as in every run, DPO's and KTO's reference forwards (adapter off) among them
     assert metrics["flops_trained"] > 0 and metrics["train_seconds"] > 0
-    assert (metrics["flops_forward_only"] > 0) is (trainer == "dpo")
+    assert (metrics["flops_forward_only"] > 0) is (trainer in ("dpo", "kto"))
     assert metrics["flops"] == metrics["flops_trained"] + metrics["flops_forward_only"]
     if arm in gpu.PACKED:
         assert metrics["token_efficiency"] == pytest.approx(1.0)

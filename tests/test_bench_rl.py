@@ -11,14 +11,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 import rl  # noqa: E402
 
 
-@pytest.mark.parametrize("trainer, arms", [("grpo", ("trl", "snaketrl")), ("rloo", ("trl-tuned",))])
+@pytest.mark.parametrize("trainer, arms", [("grpo", ("trl", "snaketrl")), ("rloo", ("trl-tuned",)),
+                                           ("online_dpo", ("trl", "snaketrl"))])
 def test_every_arm_splits_its_steps(trainer, arms, tmp_path, config, tiny_model_dir):
     from efficiency import length_settings
     from test_trainers import prepare
 
-    inputs = prepare(tmp_path, config, tiny_model_dir, trainer)  # 4 completions a step, 2 per prompt, <= 8 tokens
+    inputs = prepare(tmp_path, config, tiny_model_dir, trainer)  # 2 completions a prompt, <= 8 tokens
     run = inputs["run"]
     run["args"] = {k: v for k, v in run["args"].items() if k not in ("max_steps", "eval_strategy", "save_steps")}
+    # GRPO's and RLOO's batch counts completions (4: 2 prompts); online DPO's prompts (8 completions)
+    completions = run["args"]["per_device_train_batch_size"] * (2 if trainer == "online_dpo" else 1)
     results = {}
     for arm in arms:
         job = {"run": run, "arm": arm, "seed": 1, "settings": length_settings(config, run, "auto"),
@@ -34,13 +37,15 @@ def test_every_arm_splits_its_steps(trainer, arms, tmp_path, config, tiny_model_
         assert result["bf16"] is False and result["peak_rss_mb"] > 100
         assert len(result["steps"]) == 2
         for step in result["steps"]:
-            assert step["completions"] == 4
-            assert 4 <= step["generated_tokens"] <= 4 * 8 and 0 <= step["at_cap"] <= 4
+            assert step["completions"] == completions
+            assert completions <= step["generated_tokens"] <= completions * 8
+            assert 0 <= step["at_cap"] <= completions
             assert step["trained_tokens"] > step["generated_tokens"]  # the prompts' real tokens beside
             # unique_chars: each completion's distinct characters (an empty one has none)
             assert 0 < step["reward"] <= 4 * 8 * 16
             assert 0 < step["rewards_s"] < step["scoring_s"]
-            assert (step["logps_s"] > 0) is (trainer == "rloo")  # RLOO's reference (beta 0.05); GRPO's beta is 0
+            # RLOO's reference (beta 0.05) and online DPO's (its loss); GRPO's beta is 0
+            assert (step["logps_s"] > 0) is (trainer != "grpo")
             # the seams cover the step, on both clocks: what they leave (clipping, the scheduler, callbacks) is a
             # small part
             for clock in ("", "_cpu"):
@@ -65,7 +70,7 @@ def test_every_arm_splits_its_steps(trainer, arms, tmp_path, config, tiny_model_
     summary = best["trl"]
     assert summary["rewards"] == [s["reward"] for s in results["trl"][0]["steps"]]
     second = results["trl"][0]["steps"][1]  # the summary is of the steps after the first
-    assert summary["completions_per_s"] == pytest.approx(4 / second["step_s"])
+    assert summary["completions_per_s"] == pytest.approx(completions / second["step_s"])
     assert summary["generated_tokens_per_s"] == pytest.approx(second["generated_tokens"] / second["generation_s"])
 
 
@@ -147,14 +152,14 @@ def test_ppo_arms_split_their_updates(tmp_path, config, tiny_model_dir):
 
 
 def test_the_compiled_ppo_arm_sets_the_policys_generation_config_before_training():
-    """The snaketrl-compiled arm of PPO (no longer in NOT_FOR_PPO): the PPO trainer's `train` first puts the static
+    """The snaketrl-compiled arm of PPO (no longer in NOT_FOR["ppo"]): the PPO trainer's `train` first puts the static
     cache (the longest tokenized prompt, 70, plus response_length 8, in 64s: 128) and the compile into its policy's
     generation config, from which transformers fills PPO's (tests/test_generation.py: the same tokens)."""
     from types import SimpleNamespace
 
     from transformers import GenerationConfig
 
-    assert "snaketrl-compiled" not in rl.NOT_FOR_PPO
+    assert "snaketrl-compiled" not in rl.NOT_FOR["ppo"]
     seen = []
 
     class Trainer:
