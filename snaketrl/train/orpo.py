@@ -13,9 +13,10 @@ whose prompt alone fills max_length is dropped (the registry's `drops="long_prom
 response kept scores at least one token.
 
 Odds ratio. TRL's term is logsigmoid(log odds(chosen) - log odds(rejected)) of the responses' average log-probs,
-with log(1 - p) as `log1mexp`. A chosen response the model is certain of has an average log-prob of exactly 0 (in
-bf16 from p = 0.996 on; ORPO's NLL term drives the chosen responses there): log1mexp(0) is -inf, the term 0, and
-autograd multiplies the sigmoid's 0 by log1mexp's infinite slope: a NaN gradient. `odds_ratio` gives TRL's values
+with log(1 - p) as `log1mexp`. A chosen response the model is certain of has an average log-prob of exactly 0 (TRL's
+log-softmax of bf16 logits gives 0 at p = 0.999 already, of fp32 ones from 1 - 6e-8; ORPO's NLL term drives the
+chosen responses there): log1mexp(0) is -inf, the term 0, and autograd multiplies the sigmoid's 0 by log1mexp's
+infinite slope: a NaN gradient. `odds_ratio` gives TRL's values
 with the gradient in closed form, finite wherever TRL's loss is (tests/test_orpo.py).
 """
 
