@@ -5,7 +5,6 @@ elsewhere."""
 import math
 
 import pytest
-import torch
 
 MAX_LENGTH = 24
 
@@ -29,6 +28,8 @@ def ours(chosen, rejected):
 
 
 def test_odds_ratio_is_trls_with_a_finite_gradient_at_log_prob_zero():
+    import torch
+
     values = [-120.0, -30.0, -3.0, -0.9, -0.5, -0.3, -1e-3, -1e-6]
     pairs = {"chosen": [c for c in values for _ in values], "rejected": values * len(values)}
     results = []
@@ -76,6 +77,8 @@ def trainers(model_dir, rows, tmp_path, max_length=MAX_LENGTH):
 
 def step(trainer, row: int, bump: float = 0.0):
     """The loss of pair `row` and whether every gradient is finite; `bump` added to the eos logit."""
+    import torch
+
     model = trainer.model
     hook = model.get_output_embeddings().register_forward_hook(
         lambda module, inputs, out: out + bump * torch.nn.functional.one_hot(
@@ -95,6 +98,8 @@ def test_an_eos_only_response_made_certain_keeps_a_finite_gradient(tiny_model_di
     """An empty chosen response is eos alone; an eos logit 100 above the rest gives it log-prob 0: TRL's loss is
     finite and its gradient NaN, snaketrl's the same loss with finite gradients; with the eos logit 2 higher (TRL's
     gradient finite) both losses and gradients are the same."""
+    import torch
+
     rows = [{"prompt": "Which number comes after six?", "chosen": "", "rejected": " Eight, I think."}]
     trl, ours = trainers(tiny_model_dir, rows, tmp_path, max_length=64)  # no row cut
     for bump in (100.0, 2.0):
