@@ -157,11 +157,12 @@ def plain_trl(job: dict) -> dict:
     extra = [profiler(job["profile"])] if job.get("profile") else []
     rows = {split: read_jsonl(job[split]) for split in ("train", "eval")}  # the workflow's rows, as chats where it
     rows = {split: as_chat(r) if run.get("chat") else r for split, r in rows.items()}  # gives them so
-    trainer = load(spec.trainer)(model=model, args=config, processing_class=tokenizer,
-                                 train_dataset=Dataset.from_list(rows["train"]),
-                                 eval_dataset=Dataset.from_list(rows["eval"]),
-                                 peft_config=LoraConfig(task_type=spec.task_type, **run["lora"]),
-                                 callbacks=[counter, clock, *extra])
+    # TRL's own class where the registry names snaketrl's subclass of it (snaketrl.train.orpo)
+    trainer_cls = next(c for c in load(spec.trainer).__mro__ if c.__module__.startswith("trl."))
+    trainer = trainer_cls(model=model, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list(rows["train"]), eval_dataset=Dataset.from_list(rows["eval"]),
+                          peft_config=LoraConfig(task_type=spec.task_type, **run["lora"]),
+                          callbacks=[counter, clock, *extra])
     counter.watch(trainer)  # DPO's reference forwards count, as in train_run
     metrics = dict(trainer.train().metrics)
     metrics.update(counter.summary(), cpu_s=clock.seconds)

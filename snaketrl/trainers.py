@@ -85,8 +85,11 @@ REGISTRY: dict[str, Trainer] = {
                    headline=("rewards/margins", "kl", "eval_rewards/margins"),
                    batching_note="KTO estimates its KL term from each example's batch neighbours and needs TRL's "
                                  "sequential order (train_sampling_strategy='sequential')"),
-    "orpo": Trainer("trl.experimental.orpo:ORPOConfig", "trl.experimental.orpo:ORPOTrainer", "preference",
-                    headline=("rewards/margins", "rewards/accuracies", "log_odds_ratio"), batching=PAIRS),
+    # TRL's ORPOTrainer, its rows cut at max_length as DPO's are and its odds ratio's gradient finite
+    # (snaketrl.train.orpo)
+    "orpo": Trainer("trl.experimental.orpo:ORPOConfig", "snaketrl.train.orpo:ORPOTrainer", "preference",
+                    headline=("rewards/margins", "rewards/accuracies", "log_odds_ratio"), batching=PAIRS,
+                    drops="long_prompt"),
     "online_dpo": Trainer("trl.experimental.online_dpo:OnlineDPOConfig",
                           "trl.experimental.online_dpo:OnlineDPOTrainer", "prompt", reward_funcs=True,
                           length_field=None, evaluates=False, overlay="objective/scores",
