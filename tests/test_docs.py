@@ -145,6 +145,32 @@ def test_the_real_model_rl_recipes_config_runs_its_recipes_at_one_budget_over_th
     assert {run["reward_model"] for run in recipes if run["reward_model"]} == {"reward-seed42"}
 
 
+def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_but_for_its_recipe(tmp_path):
+    """config/smollm2-grpo.yaml (docs/real-model.md, the sixth try): SFT and GRPO over seeds 1-5, config/smollm2.yaml's
+    runs but for the held-out share, GRPO's prompts and its recipe."""
+    from snaketrl.config import resolve_runs, validate
+
+    path = ROOT / "config" / "smollm2-grpo.yaml"
+    assert dry_run(tmp_path, "--configfile", str(path))["train"] == 10
+    cfg = yaml.safe_load(path.read_text())
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    runs = resolve_runs(cfg, shipped)
+    assert sorted(runs) == [f"{t}-smollm2-seed{s}" for t in ("grpo", "sft") for s in range(1, 6)]
+    main = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
+    validate(main, str(ROOT / "config" / "schema.yaml"))
+    sft, ours = resolve_runs(main, shipped)["sft-smollm2-seed1"], runs["sft-smollm2-seed1"]
+    assert ours["dataset_entry"].pop("eval_size") == 0.32 and sft["dataset_entry"].pop("eval_size") == 0.1
+    assert ours == sft
+    grpo = runs["grpo-smollm2-seed3"]
+    assert (grpo["policy"], grpo["dataset"]) == ("sft-smollm2-seed3", "arithmetic_mixed")
+    assert {k: grpo["args"][k] for k in ("num_generations", "per_device_train_batch_size", "max_steps",
+                                         "learning_rate", "beta")} == {"num_generations": 4,
+                                                                       "per_device_train_batch_size": 32,
+                                                                       "max_steps": 24, "learning_rate": 3.0e-4,
+                                                                       "beta": 0.1}
+    assert cfg["evaluation"]["prompts"] == {"dataset": "arithmetic", "size": 128}
+
+
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
     files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
