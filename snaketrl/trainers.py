@@ -82,7 +82,7 @@ REGISTRY: dict[str, Trainer] = {
                    batching_note="PPO's own loop draws prompts from its own shuffling DataLoader; they are padded "
                                  "per batch as TRL does"),
     "kto": Trainer("trl:KTOConfig", "trl:KTOTrainer", "preference",
-                   headline=("rewards/margins", "kl", "eval_rewards/margins"),
+                   headline=("rewards/margins", "kl", "eval_rewards/margins"), drops="long_prompt",
                    batching_note="KTO estimates its KL term from each example's batch neighbours and needs TRL's "
                                  "sequential order (train_sampling_strategy='sequential')"),
     # TRL's ORPOTrainer, its rows cut at max_length as DPO's are and its odds ratio's gradient finite

@@ -280,9 +280,10 @@ def test_reward_pairs_longer_than_max_length_are_dropped_not_truncated():
 
 
 def test_prompts_that_fill_max_length_are_dropped_unless_packed():
-    # TRL drops (SFT: completion-only loss, DPO: keep_start truncation) what truncation leaves no completion of.
+    # TRL drops (SFT: completion-only loss, DPO and KTO: a prompt that fills max_length; snaketrl's ORPO as DPO)
+    # what truncation leaves no completion of.
     lengths, prompts = np.array([40] * 9 + [80]), np.array([20] * 9 + [70])
-    for trainer in ("sft", "dpo"):
+    for trainer in ("sft", "dpo", "kto", "orpo"):
         stats = length_stats(lengths, keep_share=0.9, round_to=8, cap=None, batch_size=4, seed=0, trainer=trainer,
                              prompts=prompts)
         assert stats["max_length"] == 40 and stats["dropped"] == 1 and stats["share_truncated"] == 0.1
