@@ -22,6 +22,21 @@ def versions() -> dict:
     return out
 
 
+def code_hash() -> str:
+    """sha256 of what decides a job's computation besides its config and inputs: snaketrl's source files and the
+    versions of the packages it runs on. A checkpoint made by other code is not resumed (snaketrl.train.run): its
+    steps would not be the ones this code takes."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(versions(), sort_keys=True).encode())
+    root = Path(__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def git_commit() -> str | None:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,

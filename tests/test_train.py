@@ -220,10 +220,14 @@ def _interrupt_at_step_4(inputs, tmp_path):
     assert (tmp_path / "ckpt" / "checkpoint-3").is_dir()
 
 
-@pytest.mark.parametrize("change", ["config", "train", "lengths", "model"])
-def test_checkpoint_of_other_config_or_inputs_is_not_resumed(change, sft_inputs, tmp_path, caplog):
+@pytest.mark.parametrize("change", ["config", "train", "lengths", "model", "code"])
+def test_checkpoint_of_other_config_or_inputs_is_not_resumed(change, sft_inputs, tmp_path, caplog, monkeypatch):
     _interrupt_at_step_4(sft_inputs, tmp_path)
-    if change == "config":
+    if change == "code":  # snaketrl's source or a package version changed between the attempts
+        from snaketrl import manifest
+
+        monkeypatch.setattr("snaketrl.train.run.code_hash", lambda: manifest.code_hash() + "-edited")
+    elif change == "config":
         sft_inputs["run"] = {**sft_inputs["run"], "args": {**sft_inputs["run"]["args"], "learning_rate": 1e-3}}
     elif change == "model":
         import shutil

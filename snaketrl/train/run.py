@@ -19,6 +19,7 @@ from snaketrl.errors import ConfigError, TrainingError, one_line
 from snaketrl.imports import imports_done, skip_deepspeed_inference_ops
 from snaketrl.io import atomic, hash_path, read_jsonl, write_json
 from snaketrl.kill_points import kill_point
+from snaketrl.manifest import code_hash
 from snaketrl.models import chat_template
 from snaketrl.models.gguf import read_source
 from snaketrl.models.tokenizer import prepare_tokenizer
@@ -71,12 +72,12 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     if spec.generates:  # steps of new shapes: a kept heap would fragment and grow (snaketrl.processes)
         give_back_freed_memory()
 
-    # Resume only a cut-short attempt of the same config and inputs, from its newest complete checkpoint (the log
-    # says which and why); a diverged one stops here, before loading.
+    # Resume only a cut-short attempt of the same config, inputs and code, from its newest complete checkpoint (the
+    # log says which and why); a diverged one stops here, before loading.
     inputs = {"model": model_dir, "train": train_file, "eval": eval_file, "lengths": lengths_file,
               "reward_model": reward_dir}
     hashes = {name: hash_path(path) for name, path in inputs.items() if path}
-    attempt = Attempt(checkpoint_dir, {"config": fingerprint(run), **hashes}, run["name"])
+    attempt = Attempt(checkpoint_dir, {"config": fingerprint(run), "code": code_hash(), **hashes}, run["name"])
 
     # Load the tokenizer and the policy as planned; the loss choice needs the loaded model.
     if threads:
