@@ -28,6 +28,13 @@ class Diverged(SnaketrlError, RuntimeError):
     pass
 
 
+def advice(max_grad_norm, bf16: bool) -> str:
+    """HINT less what the run's training arguments already do: clipping on, bf16 off."""
+    tries = ["a lower learning_rate", *(["max_grad_norm > 0"] if not max_grad_norm or max_grad_norm <= 0 else []),
+             *(["bf16 off"] if bf16 else [])]
+    return "try " + (", ".join(tries[:-1]) + f", or {tries[-1]}" if len(tries) > 2 else " or ".join(tries))
+
+
 def describe(subject: str, divergence: Divergence, hint: str = HINT) -> str:
     """`<subject> diverged at step 5: grad_norm is nan (last finite loss 6.20 at step 5; <hint>)`"""
     if divergence.last_loss:

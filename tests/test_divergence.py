@@ -7,7 +7,7 @@ import re
 import pytest
 from test_trainers import prepare
 
-from snaketrl.divergence import HINT, Divergence, Diverged, describe, first_divergence
+from snaketrl.divergence import HINT, Divergence, Diverged, advice, describe, first_divergence
 from snaketrl.smk import logged
 
 NAN, INF = float("nan"), float("inf")
@@ -68,6 +68,8 @@ def test_the_rule_prints_one_line(tmp_path, capfd):
 
 # The issue's planted settings; each trainer's own args where it needs them to diverge within a few steps.
 PLANTED = {"learning_rate": 1.0e+6, "max_grad_norm": 0, "max_steps": 8, "save_steps": 1}
+# Clipping is off there, so the advice names it; bf16 off only where the machine's bf16 turned it on.
+PLANTED_ADVICE = f"({re.escape(advice(0, True))}|{re.escape(advice(0, False))})"
 CASES = {
     "sft": ({}, "grad_norm"),
     "dpo": ({}, "grad_norm"),
@@ -131,25 +133,37 @@ def test_planted_learning_rate_stops_training_with_one_line(trainer, tmp_path, c
     inputs = _planted(tmp_path, config, tiny_model_dir, trainer, reward_dir)
     inputs["run"]["args"].update(extra)
     with pytest.raises(Diverged, match=rf"^run 't-{trainer}' diverged at step \d+: {re.escape(key)} is (nan|inf) "
-                                       rf"({_loss('loss')}|{_loss('loss/policy_avg')}); {re.escape(HINT)}\)$") as err:
+                                       rf"({_loss('loss')}|{_loss('loss/policy_avg')}); {PLANTED_ADVICE}\)$") as err:
         train_run(**inputs)
     assert _stopped_where_it_says(str(err.value), inputs) < 8  # stopped there, not at the end
 
 
-def test_ppo_sampling_from_a_broken_policy_is_divergence(tmp_path, config, tiny_model_dir, reward_dir):
+@pytest.mark.parametrize("checked", [True, False])
+def test_ppo_sampling_from_a_broken_policy_is_divergence(checked, tmp_path, config, tiny_model_dir, reward_dir):
+    """Checked (a step logged or saved): the update that broke the policy stops at its step end, its weights
+    NaN. Unchecked: the broken policy shows first when the next update samples from it."""
     from snaketrl.train.guard import MARKER
     from snaketrl.train.run import train_run
 
-    # One epoch per update: the broken policy shows first when the next update samples from it.
+    # One epoch per update.
     inputs = _planted(tmp_path, config, tiny_model_dir, "ppo", reward_dir)
     inputs["run"]["args"].update(total_episodes=32)
-    with pytest.raises(Diverged, match=rf"^run 't-ppo' diverged at step \d+: the policy's sampling probabilities are "
-                                       rf"nan or inf {_loss('loss/policy_avg')}; {re.escape(HINT)}\)$") as err:
+    if not checked:
+        inputs["run"]["args"].update(logging_steps=100, save_steps=100)
+    problem = "the trainable weights are nan" if checked else "the policy's sampling probabilities are nan or inf"
+    with pytest.raises(Diverged, match=rf"^run 't-ppo' diverged at step \d+: {problem} ({_loss('loss/policy_avg')}|"
+                                       rf"\(no finite loss logged before); {PLANTED_ADVICE}\)$") as err:
         train_run(**inputs)
-    assert isinstance(err.value.__cause__, RuntimeError)
     saved = json.loads((inputs["checkpoint_dir"] / MARKER).read_text())
-    assert saved["message"] == str(err.value) and saved["log_history"][-1]["step"] == saved["step"] - 1
-    _kept_before(saved["step"], inputs)
+    assert saved["message"] == str(err.value)
+    if checked:
+        assert saved["log_history"][-1]["step"] == saved["step"]  # that step's log, its loss still finite
+        _kept_before(saved["step"], inputs)
+    else:
+        assert isinstance(err.value.__cause__, RuntimeError)
+        assert saved["log_history"][-1]["step"] == saved["step"] - 1
+        assert not list(inputs["checkpoint_dir"].glob("checkpoint-*"))
+        assert not inputs["out_dir"].exists()
 
 
 def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config, tiny_model_dir, caplog):
@@ -163,7 +177,7 @@ def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config
     ckpt = inputs["checkpoint_dir"]
     with pytest.raises(Diverged, match=rf"^run 't-sft': its checkpoints in {re.escape(str(ckpt))} diverged at step "
                                        rf"{step} \({re.escape(problem)}\) with this same config and inputs; change its "
-                                       rf"config \({re.escape(HINT)}\) or delete {re.escape(str(ckpt))} to start over$"):
+                                       rf"config \({PLANTED_ADVICE}\) or delete {re.escape(str(ckpt))} to start over$"):
         train_run(**inputs)
     assert not inputs["out_dir"].exists()
 
@@ -173,6 +187,67 @@ def test_a_diverged_run_is_not_resumed_until_its_config_changes(tmp_path, config
     assert "were made with another config: starting over" in caplog.text
     assert json.loads((inputs["out_dir"] / "manifest.json").read_text())["resumed_from"] is None
     assert math.isfinite(metrics["eval_loss"]) and not (ckpt / MARKER).exists()
+
+
+def test_advice_leaves_out_what_the_config_already_does():
+    assert advice(0, True) == HINT
+    assert advice(1.0, True) == "try a lower learning_rate or bf16 off"
+    assert advice(None, False) == "try a lower learning_rate or max_grad_norm > 0"
+    assert advice(1.0, False) == "try a lower learning_rate"
+
+
+@pytest.mark.parametrize("logging_steps, saved", [(10, 1), (2, 4)])
+def test_nan_gradients_hidden_from_the_logged_loss_stop_at_that_step(
+        logging_steps, saved, tmp_path, config, tiny_model_dir):
+    """As Gemma 3's ORPO run: step 3's loss and gradients NaN, clipping on, no log showing it (no log before the
+    end, or one whose loss transformers' logging_nan_inf_filter keeps finite); the guard stops at the first
+    logged or saved step after, before that checkpoint is written, naming the weights; the advice leaves out the
+    clipping the config has."""
+    from transformers import TrainerCallback
+
+    from snaketrl.train.guard import MARKER
+    from snaketrl.train.run import train_run
+
+    inputs = prepare(tmp_path, config, tiny_model_dir, "sft")
+    inputs["run"]["args"].update(max_steps=6, logging_steps=logging_steps, save_steps=saved, max_grad_norm=1.0,
+                                 save_total_limit=10)
+
+    class NanStep(TrainerCallback):
+        """Step 3's embeddings NaN (snaketrl's loss may read the head's weight, not call it): its loss and the
+        LoRA weights' gradients; clipping a NaN norm and the optimizer step then make every trainable weight NaN."""
+
+        hook = None
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step + 1 == 3:
+                nan = float("nan")
+                self.hook = model.get_input_embeddings().register_forward_hook(lambda module, i, out: out * nan)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.hook is not None:
+                self.hook.remove()
+                self.hook = None
+
+    stop = 3 if saved == 1 else 4
+    with pytest.raises(Diverged) as err:
+        train_run(**inputs, threads=1, callbacks=[NanStep()])
+    hint = f"({re.escape(advice(1.0, True))}|{re.escape(advice(1.0, False))})"
+    # No log before the end: the weights name it. A log at step 4: its loss 0.0 (the filter's), its grad_norm NaN.
+    problem, last = (("the trainable weights are nan", "no finite loss logged before") if logging_steps == 10
+                     else ("grad_norm is nan", r"last finite loss \d+\.\d\d at step 2"))
+    assert re.fullmatch(rf"run 't-sft' diverged at step {stop}: {problem} \({last}; {hint}\)", str(err.value))
+    saved_marker = json.loads((inputs["checkpoint_dir"] / MARKER).read_text())
+    assert saved_marker["step"] == stop and saved_marker["message"] == str(err.value)
+    logged = [(e["step"], e["loss"]) for e in saved_marker["log_history"] if "loss" in e]
+    assert [step for step, _ in logged] == ([] if logging_steps == 10 else [2, 4])
+    assert all(math.isfinite(loss) for _, loss in logged) and [loss for _, loss in logged[1:]] == (
+        [] if logging_steps == 10 else [0.0])  # the filter's stand-in for steps 3 and 4's NaN losses
+    kept = sorted(int(p.name.split("-")[1]) for p in inputs["checkpoint_dir"].glob("checkpoint-*"))
+    assert kept == list(range(saved, stop, saved))  # none of the NaN weights
+    assert not inputs["out_dir"].exists()
+    with pytest.raises(Diverged, match=rf"diverged at step {stop} \({problem}\) with this same config and "
+                                       rf"inputs; change its config \({hint}\)"):
+        train_run(**inputs, threads=1)
 
 
 def test_a_finite_run_is_untouched(tmp_path, config, tiny_model_dir, monkeypatch):
