@@ -184,6 +184,14 @@ def read_manifest(work: Path) -> dict:
     return json.loads((work / "out" / "manifest.json").read_text())
 
 
+def check_trained_two_steps(work: Path, sha256: str, quant_type: str) -> None:
+    """A tier's run in `work`: chat prompts, the GGUF it was converted from (hash and quantization), 2 steps."""
+    manifest = read_manifest(work)
+    assert manifest["config"]["chat"] is True
+    assert manifest["model_source"]["sha256"] == sha256 and manifest["model_source"]["quant_type"] == quant_type
+    assert json.loads((work / "out" / "trainer_state.json").read_text())["global_step"] == 2
+
+
 CHATML_ASK = "<|im_start|>assistant\n"
 
 

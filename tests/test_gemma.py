@@ -11,7 +11,7 @@ import json
 import resource
 
 import pytest
-from first_tokens import chatml_first_rows, decoded, first_eval_prompt_ids, read_manifest, trained_rows
+from first_tokens import chatml_first_rows, check_trained_two_steps, decoded, first_eval_prompt_ids, trained_rows
 from test_real import as_reward_model
 
 pytestmark = pytest.mark.gemma
@@ -96,11 +96,7 @@ def test_each_trainer_trains_gemma_on_chatml(trainer, gemma, gemma_reward, tmp_p
     assert all(row[:2] == [BOS, IM_START] for row in ids)
     if trainer in PROMPT_IDS:
         assert ids[0] == PROMPT_IDS[trainer]
-    manifest = read_manifest(tmp_path)
-    assert manifest["config"]["chat"] is True
-    assert manifest["model_source"]["sha256"] == GEMMA["sha256"] and manifest["model_source"]["quant_type"] == "Q4_K_M"
-    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
-    assert state["global_step"] == 2
+    check_trained_two_steps(tmp_path, GEMMA["sha256"], "Q4_K_M")
     # ru_maxrss: this process's peak (KiB on Linux), the model's build and every earlier trainer's included
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < MAX_RSS
 

@@ -12,7 +12,7 @@ import resource
 import time
 
 import pytest
-from first_tokens import (CHATML_ASK, chatml_first_rows, decoded, first_eval_prompt_ids, read_manifest,
+from first_tokens import (CHATML_ASK, chatml_first_rows, check_trained_two_steps, decoded, first_eval_prompt_ids,
                           trained_rows)
 from test_real import as_reward_model
 
@@ -101,11 +101,7 @@ def test_each_trainer_trains_qwen_on_its_template(trainer, qwen, tmp_path, tmp_p
     assert all(row[:len(SYSTEM_IDS)] == SYSTEM_IDS for row in ids)
     if trainer in PROMPT_IDS:
         assert ids[0] == PROMPT_IDS[trainer]
-    manifest = read_manifest(tmp_path)
-    assert manifest["config"]["chat"] is True
-    assert manifest["model_source"]["sha256"] == QWEN["sha256"] and manifest["model_source"]["quant_type"] == "Q4_K_M"
-    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
-    assert state["global_step"] == 2
+    check_trained_two_steps(tmp_path, QWEN["sha256"], "Q4_K_M")
     # ru_maxrss: this process's peak (KiB on Linux), the model's build and every earlier trainer's included
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"\nqwen {trainer}: {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} CPU-s, "

@@ -5,7 +5,7 @@ template. Deselected by default (pyproject's addopts); `python -m pytest -m real
 import json
 
 import pytest
-from first_tokens import decoded, first_eval_prompt_ids, read_manifest, trained_rows
+from first_tokens import check_trained_two_steps, decoded, first_eval_prompt_ids, read_manifest, trained_rows
 
 pytestmark = pytest.mark.real
 
@@ -101,11 +101,7 @@ def test_each_trainer_trains_smollm2_on_its_chat_template(trainer, smollm2, smol
     assert ids[0][:len(SYSTEM_IDS)] == SYSTEM_IDS
     if trainer in AFTER_SYSTEM:
         assert ids[0][len(SYSTEM_IDS):] == AFTER_SYSTEM[trainer]
-    manifest = read_manifest(tmp_path)
-    assert manifest["config"]["chat"] is True
-    assert manifest["model_source"]["sha256"] == SMOL["sha256"] and manifest["model_source"]["quant_type"] == "Q4_1"
-    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
-    assert state["global_step"] == 2
+    check_trained_two_steps(tmp_path, SMOL["sha256"], "Q4_1")
 
 
 def test_evaluation_prompts_smollm2_in_its_chat_template(smollm2, tmp_path, monkeypatch):
