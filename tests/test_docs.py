@@ -93,7 +93,8 @@ def test_the_real_models_job_count_and_stage_tables_agree_with_its_dry_run(tmp_p
     assert stated("docs/real-model.md", r"lists (\d+), the target") == [total]
     # Data jobs README line 1 had done: 5, and 2 since descriptiveness holds out its own share (eval_size 0.4)
     assert set(stated("docs/real-model.md", r"\*\*(\d+) jobs in")) <= {total, total - 5, total - 2}
-    assert stage_tables((DOCS / "real-model.md").read_text()) == [total, total]
+    # The one stage table of this file's run (the GPU section's, of an earlier file, says so in its header)
+    assert stage_tables((DOCS / "real-model.md").read_text()) == [total]
 
 
 def test_the_seed_configs_job_count_that_cluster_md_states_is_the_dry_runs(tmp_path):
@@ -145,9 +146,9 @@ def test_the_real_model_rl_recipes_config_runs_its_recipes_at_one_budget_over_th
     assert {run["reward_model"] for run in recipes if run["reward_model"]} == {"reward-seed42"}
 
 
-def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_but_for_its_recipe(tmp_path):
-    """config/smollm2-grpo.yaml (docs/real-model.md, the sixth try): SFT and GRPO over seeds 1-5, config/smollm2.yaml's
-    runs but for the held-out share, GRPO's prompts and its recipe."""
+def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_over_five_seeds(tmp_path):
+    """config/smollm2-grpo.yaml (docs/real-model.md, the sixth try): config/smollm2.yaml's SFT and GRPO runs, the same
+    to the last setting, over seeds 1-5 (the main file has 1-3), evaluated on the same 128 held-out questions."""
     from snaketrl.config import resolve_runs, validate
 
     path = ROOT / "config" / "smollm2-grpo.yaml"
@@ -156,11 +157,14 @@ def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_but_for_its_
     validate(cfg, str(ROOT / "config" / "schema.yaml"))
     runs = resolve_runs(cfg, shipped)
     assert sorted(runs) == [f"{t}-smollm2-seed{s}" for t in ("grpo", "sft") for s in range(1, 6)]
-    main = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
-    validate(main, str(ROOT / "config" / "schema.yaml"))
-    sft, ours = resolve_runs(main, shipped)["sft-smollm2-seed1"], runs["sft-smollm2-seed1"]
-    assert ours["dataset_entry"].pop("eval_size") == 0.32 and sft["dataset_entry"].pop("eval_size") == 0.1
-    assert ours == sft
+    main_cfg = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
+    validate(main_cfg, str(ROOT / "config" / "schema.yaml"))
+    main = resolve_runs(main_cfg, shipped)
+    assert sorted(r for r in main if r.startswith(("sft-", "grpo-"))) == [
+        f"{t}-smollm2-seed{s}" for t in ("grpo", "sft") for s in range(1, 4)]
+    for s in range(1, 4):
+        assert runs[f"sft-smollm2-seed{s}"] == main[f"sft-smollm2-seed{s}"]
+        assert runs[f"grpo-smollm2-seed{s}"] == main[f"grpo-smollm2-seed{s}"]
     grpo = runs["grpo-smollm2-seed3"]
     assert (grpo["policy"], grpo["dataset"]) == ("sft-smollm2-seed3", "arithmetic_mixed")
     assert {k: grpo["args"][k] for k in ("num_generations", "per_device_train_batch_size", "max_steps",
@@ -168,7 +172,7 @@ def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_but_for_its_
                                                                        "per_device_train_batch_size": 32,
                                                                        "max_steps": 24, "learning_rate": 3.0e-4,
                                                                        "beta": 0.1}
-    assert cfg["evaluation"]["prompts"] == {"dataset": "arithmetic", "size": 128}
+    assert cfg["evaluation"]["prompts"] == main_cfg["evaluation"]["prompts"] == {"dataset": "arithmetic", "size": 128}
 
 
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():

@@ -86,13 +86,13 @@ def test_engine_patches_plan_the_same_jobs_and_still_catch_a_missing_script(tmp_
 
 
 def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
-    """config/smollm2.yaml offline: its 45 jobs planned (the wheel is only fetched when download_model runs). A
+    """config/smollm2.yaml offline: its 50 jobs planned (the wheel is only fetched when download_model runs). A
     real model's train, evaluate and merge jobs take all of --cores (2), models.<name>.threads lowers that (the
     file sets 1: two jobs side by side), and the default's tiny models keep one thread."""
     wd = copy_project(tmp_path / "wf")
     counts = job_counts(wd, "--configfile", "config/smollm2.yaml")
-    assert counts == {"download_model": 1, "get_dataset": 3, "preprocess": 5, "length_histogram": 5,
-                      "tokenize_prompts": 1, "train": 8, "merge": 3, "plot_run": 8, "evaluate": 8,
+    assert counts == {"download_model": 1, "get_dataset": 4, "preprocess": 6, "length_histogram": 5,
+                      "tokenize_prompts": 1, "train": 9, "merge": 4, "plot_run": 9, "evaluate": 9,
                       "collect_evaluation": 1, "report": 1, "all": 1}
 
     def threads(*args):
@@ -110,9 +110,9 @@ def test_real_model_jobs_take_the_cores_and_tiny_ones_one(tmp_path):
     priority = {(rule, m[1] if (m := re.search(r"wildcards: (?:run|evaluated)=(\S+)", body)) else None):
                 int(m[1]) if (m := re.search(r"priority: (\d+)", body)) else 0 for rule, body in jobs}
     assert {k: v for k, v in priority.items() if k[0] == "train"} == {
-        ("train", "sft-smollm2-seed1"): 2, ("train", "sft-smollm2-seed2"): 2, ("train", "reward-smollm2-seed1"): 2,
-        ("train", "dpo-smollm2-seed1"): 1, ("train", "dpo-smollm2-seed2"): 1, ("train", "grpo-smollm2-seed1"): 2,
-        ("train", "grpo-smollm2-seed2"): 2, ("train", "ppo-smollm2-seed1"): 2}
+        **{("train", f"{t}-smollm2-seed{s}"): 2 for t in ("sft", "grpo") for s in (1, 2, 3)},
+        ("train", "reward-smollm2-seed1"): 2, ("train", "ppo-smollm2-seed1"): 2,
+        ("train", "dpo-smollm2-seed1"): 1}
     assert {rule for (rule, _), v in priority.items() if v == 3} == {"length_histogram", "tokenize_prompts", "merge"}
     assert {v for (rule, _), v in priority.items() if rule == "evaluate"} == {0}
     cfg = yaml.safe_load((wd / "config" / "smollm2.yaml").read_text())
@@ -144,8 +144,7 @@ def test_processes_share_the_threads(tmp_path):
     del real["models"]["smollm2"]["threads"]  # as --cores gives them
     real["trainers"]["sft"]["processes"] = 2
     threads = train_threads(real, 4)
-    assert {r: t for r, t in threads.items() if r.startswith("sft-")} == {"sft-smollm2-seed1": 4,
-                                                                          "sft-smollm2-seed2": 4}
+    assert {r: t for r, t in threads.items() if r.startswith("sft-")} == {f"sft-smollm2-seed{s}": 4 for s in (1, 2, 3)}
     real["models"]["smollm2"]["threads"] = 1
-    assert {r: t for r, t in train_threads(real, 4).items() if r.startswith("sft-")} == {"sft-smollm2-seed1": 2,
-                                                                                           "sft-smollm2-seed2": 2}
+    assert {r: t for r, t in train_threads(real, 4).items() if r.startswith("sft-")} == {
+        f"sft-smollm2-seed{s}": 2 for s in (1, 2, 3)}
