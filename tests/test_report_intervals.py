@@ -211,6 +211,13 @@ def test_a_tie_that_has_the_prompts_it_would_need_asks_for_seeds():
                                unit="prompts")
     assert intervals.needed(tie) == ("with one seed a run's difference from another can be its seed's alone: "
                                      "set seeds: [1, 2, 3]")
+    # The other run has 2 seeds, so the config's seeds already are several: the one-seed run's own entry is named
+    # (config/smollm2.yaml: seeds [1, 2, 3], runs.ppo-smollm2.seeds [1]).
+    assert intervals.needed(tie, ("ppo-smollm2", "grpo-smollm2")).endswith(": set runs.ppo-smollm2.seeds: [1, 2, 3]")
+    assert intervals.needed(tie, ("grpo-smollm2", "ppo-smollm2")).endswith(": set runs.grpo-smollm2.seeds: [1, 2, 3]")
+    both = intervals.Difference(difference=0.1, low=-0.1, high=0.3, prompts=160, seeds=(1, 1), needed=18,
+                                unit="prompts")
+    assert intervals.needed(both, ("ppo-smollm2", "grpo-smollm2")).endswith(": set seeds: [1, 2, 3]")
     short = intervals.Difference(difference=0.1, low=-0.1, high=0.3, prompts=16, seeds=(1, 2), needed=18,
                                  unit="prompts")
     assert intervals.needed(short) == "a difference this size would need about 18 prompts (has 16)"

@@ -169,7 +169,7 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
                     places = max(d, math.ceil(-math.log10(shown))) if shown else d
                     lead = intervals.compare(board["scores"], top, second, col)
                     text += ", " + versus(lead, leaderboard.settled(lead, higher), second, k, places,
-                                          "a lead", "no lead", seeds)
+                                          "a lead", "no lead", seeds, (top, second))
             if base is not None:
                 if intervals.tied(mean.loc[top, col], mean.loc[base, col]):
                     text += "; it equals its base"
@@ -183,7 +183,8 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
             per_model.append(text)
         out.append("Best per model on the yardstick: " + "; ".join(per_model) + "." if per_model else
                    "No run has a value on the yardstick.")
-    close = [f"{c}: {b['group']} ≈ {b['runner_up']} ({unsettled(b['difference'], seeds)})"
+    close = [f"{c}: {b['group']} ≈ {b['runner_up']} "
+             f"({unsettled(b['difference'], seeds, (b['group'], b['runner_up']))})"
              for c, b in best.items() if b["settled"] is False]
     if close:
         out.append("Leads not settled (≈ in the leaderboard): " + "; ".join(close) + ".")
@@ -207,18 +208,18 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
 
 
 def versus(diff: intervals.Difference | None, settled: bool | None, other: str, kind: str, places: int,
-           yes: str, no: str, seeds: int) -> str:
+           yes: str, no: str, seeds: int, runs: tuple[str, str] | None = None) -> str:
     """One comparison in words: the paired difference to `other` with its interval, then `yes` where it is
     settled, else `no` and what would settle it."""
     if diff is None:
         return f"ahead of {other} (no per-prompt values: no interval, not called {yes})"
     text = f"{intervals.describe(diff, kind, places)} against {other}"
-    return text + (f": {yes}" if settled else f": {no}; {unsettled(diff, seeds)}")
+    return text + (f": {yes}" if settled else f": {no}; {unsettled(diff, seeds, runs)}")
 
 
-def unsettled(diff: intervals.Difference, seeds: int) -> str:
+def unsettled(diff: intervals.Difference, seeds: int, runs: tuple[str, str] | None = None) -> str:
     """Why a difference is not called a lead: with one seed per run the section says it once, in its last
     sentence; otherwise what would settle it."""
     if seeds == 1 and diff.lead and not diff.seeded:
         return "one seed each (below)"
-    return intervals.needed(diff)
+    return intervals.needed(diff, runs)

@@ -186,13 +186,23 @@ def describe(d: Difference, kind: str, decimals: int | None) -> str:
             f"{signed(d.high, kind, decimals)})")
 
 
-def needed(d: Difference) -> str:
-    """What a tie would need: the power rule's sample size for a difference of the observed size."""
+def more_seeds(d: Difference, runs: tuple[str, str] | None) -> str:
+    """The setting that gives a comparison's one-seed run more seeds: where the other run has several, the config's
+    seeds are already several and the run's own entry holds it to one, so the advice names that entry."""
+    single = [run for run, n in zip(runs or (), d.seeds) if n == 1]
+    if len(single) != 1:
+        return "set seeds: [1, 2, 3]"
+    return f"set runs.{single[0]}.seeds: [1, 2, 3]"
+
+
+def needed(d: Difference, runs: tuple[str, str] | None = None) -> str:
+    """What a tie would need: the power rule's sample size for a difference of the observed size. `runs`: the
+    two groups compared (a − b), so that the advice names the ones with one seed."""
     # A one-seed run against one with several: where the prompts it has would do, the interval is wide from the
     # other run's seeds, and more seeds for both is what would settle it.
     enough_prompts = d.unit == "prompts" and d.needed is not None and d.needed <= d.prompts
     if not d.seeded and (d.lead or enough_prompts):
-        return "with one seed a run's difference from another can be its seed's alone: set seeds: [1, 2, 3]"
+        return "with one seed a run's difference from another can be its seed's alone: " + more_seeds(d, runs)
     if d.needed is None:
         return "no difference observed, so no number of seeds would show one"
     if d.unit == "seeds":

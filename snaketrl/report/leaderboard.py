@@ -123,7 +123,8 @@ def verdict(lead: dict, kind: str, decimals: int | None) -> str:
     if d is None:
         return f"ahead of {lead['runner_up']}; no per-prompt values, so no interval: not called a lead"
     text = f"{intervals.describe(d, kind, decimals)} over {lead['runner_up']}"
-    return text + (": a lead" if lead["settled"] else f": not settled; {intervals.needed(d)}")
+    return text + (": a lead" if lead["settled"] else
+                   f": not settled; {intervals.needed(d, (lead['group'], lead['runner_up']))}")
 
 
 def kind(label: str) -> str:
