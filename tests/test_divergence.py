@@ -196,6 +196,32 @@ def test_advice_leaves_out_what_the_config_already_does():
     assert advice(1.0, False) == "try a lower learning_rate"
 
 
+@pytest.mark.parametrize("trained, hint", [
+    ({"max_grad_norm": 1.0, "bf16": False}, "try a lower learning_rate"),  # TRL's SFTConfig on CPU: nothing else
+    ({"max_grad_norm": 0.0, "bf16": True}, HINT), ({"max_grad_norm": 1.0, "bf16": True}, advice(1.0, True)),
+    (None, HINT),  # no manifest beside the adapter: every usual cause
+])
+def test_evaluating_a_diverged_run_advises_only_what_its_training_did_not_do(trained, hint, tmp_path):
+    # The eval job read no config: it advised clipping and bf16 off to a run that had both.
+    from trl import SFTConfig
+
+    from snaketrl import paths
+    from snaketrl.evaluate.job import check_finite
+    from snaketrl.io import write_json
+
+    adapter = tmp_path / paths.adapter("sft-m")
+    adapter.mkdir(parents=True)
+    if trained is not None:  # as train_run records them: its TRL config's to_dict()
+        args = SFTConfig(output_dir=str(tmp_path / "out"), report_to="none", **trained).to_dict() \
+            if not trained["bf16"] else trained
+        write_json({"trl_args": args}, tmp_path / paths.run_file("sft-m", "manifest.json"))
+    target = {"kind": "run", "run": "sft-m", "model": "m", "trainer": "sft", "seed": 42, "reference": None}
+    with pytest.raises(Diverged) as err:
+        check_finite({"references": {"nll": NAN}}, target, adapter)
+    assert str(err.value) == (f"evaluation of run 'sft-m': nll is nan; its model diverged in training: train it again "
+                              f"({hint})")
+
+
 @pytest.mark.parametrize("logging_steps, saved", [(10, 1), (2, 4)])
 def test_nan_gradients_hidden_from_the_logged_loss_stop_at_that_step(
         logging_steps, saved, tmp_path, config, tiny_model_dir):

@@ -7,6 +7,7 @@ vocabulary with an untied head (this GGUF ships output.weight), grouped-query at
 heads) with biases on q, k and v, no <bos>. Every trainer family trains two steps on chat turns with the exact
 token ids asserted. Deselected by default (pyproject's addopts); `python -m pytest -m qwen` runs it."""
 
+import gc
 import json
 import resource
 import time
@@ -26,8 +27,21 @@ ENTRY = {"gguf": QWEN, "lora": {"target_modules": ["q_proj", "k_proj", "v_proj",
 VOCAB = 151_936  # the GGUF's rows (151,665 tokens, padded)
 IM_START, IM_END = 151_644, 151_645
 # The 8 GB a test process may take: all of this module in one process peaked at 6.91 and 7.13 GiB (7.66 GB) in two
-# runs, in PPO, the last trainer (6.77 GiB in a process of its own).
+# runs, in PPO, the last trainer (6.77 GiB in a process of its own). With `freed` (2026-11-28, load 5-10 on 2
+# cores) SFT-RLOO peaked at 4.28-4.46 GiB (5.07-5.86 before), but PPO still at 7.12 GiB: its own training (3.0
+# GiB above its three loaded models, 4.09 GiB at train start), not what earlier tests left, sets the margin.
 MAX_RSS = 8 * 10**9
+
+
+@pytest.fixture(autouse=True)
+def freed():
+    """Each test's memory back before the next: a trainer's model is garbage in reference cycles until the cyclic
+    collector's next full pass, and glibc keeps what a process frees in its heap (snaketrl.processes)."""
+    from snaketrl.processes import give_back_freed_memory
+
+    yield
+    gc.collect()
+    give_back_freed_memory()
 
 
 @pytest.fixture(scope="session")

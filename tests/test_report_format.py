@@ -22,6 +22,18 @@ def test_number_reads_without_e_notation(value, kind, text):
     assert number(value, kind) == text
 
 
+@pytest.mark.parametrize("value, kind, decimals, text", [
+    (-2.85, "float", 2, "−2.85"), (-12345.6, "float", None, "−12,346"), (-0.005, "float", None, "−0.005"),
+    (-3, "int", None, "−3"), (-0.125, "percent", None, "−12.5%"), (-3.2e12, "si", None, "−3.20 T"),
+    (float("-inf"), "float", None, "−∞"), (-1e-17, "float", 3, "−<0.001"), (-0.0001, "float", 2, "−<0.01"),
+    (-0.0, "float", 3, "0.000"), (-0.4, "int", None, "0"), (2.85, "float", 2, "2.85"),
+])
+def test_a_negative_number_reads_with_the_minus_sign_its_differences_have(value, kind, decimals, text):
+    # One sign rule for the page: a value and a difference ("−0.120 (95 % interval ...)") write the same minus;
+    # a number that shows as zero has no sign.
+    assert number(value, kind, decimals) == text
+
+
 def test_no_e_notation_at_any_magnitude():
     for exponent in range(-12, 19):
         for value in (1.5 * 10.0 ** exponent, -(10.0 ** exponent)):
@@ -97,6 +109,18 @@ def test_the_sentence_names_the_best_per_model_and_the_runs_that_did_not_move():
     assert best == {}  # every column ties at the top: nothing to say about leads
     assert text[2].startswith("With one seed per run the intervals cover the prompts only")
     assert text[3] == "Did not move from their start model (the same completion for every prompt): dpo-m (= base-m)."
+
+
+def test_the_sentence_writes_a_negative_yardstick_with_the_minus_sign_of_its_intervals():
+    # A negative score (an NLL-like reward) once read "base-m (-2.85)" beside "−0.120 (95 % interval ...)".
+    metrics = {"base-m": _job("base", "m", -2.85), "sft-m": _job("sft", "m", -0.5), "dpo-m": _job("dpo", "m", -1.25)}
+    board, best = leaderboard.table(metrics, {})
+    text = glance.sentences(board, "rm_judge", True, {}, 8, best)
+    assert "m: best is sft-m (−0.50), ahead of dpo-m (no per-prompt values" in text[1]
+    assert "better than its base base-m (−2.85)" in text[1]
+    rows = {row[0]["text"]: [c["text"] for c in row] for row in leaderboard.to_table(board, best)["rows"]}
+    assert "−2.85" in rows["base-m"] and "−1.25" in rows["dpo-m"]
+    assert not re.search(r"-\d", " ".join(text) + " ".join(sum(rows.values(), [])))
 
 
 def test_names_from_the_config_are_escaped(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from snaketrl.evaluate.kinds import JUDGE_PROMPTS, judge_chat, judge_prompt_sets
 from snaketrl.data.chat import as_chat, require_template
-from snaketrl.divergence import HINT, Diverged, finite
+from snaketrl.divergence import HINT, Diverged, advice, finite
 from snaketrl.errors import ConfigError, DataError
 from snaketrl.evaluate.generation import generate
 from snaketrl.evaluate.harness import lm_eval_run, lm_eval_task_manager, project_task_files
@@ -21,7 +21,7 @@ from snaketrl.evaluate.likelihood import KL_ESTIMATOR, completion_nll, kl_to_ref
 from snaketrl.evaluate.loading import load_for_eval
 from snaketrl.evaluate.scoring import distinct_n, mean_std, reward_function_scores, reward_model_scores, win_rate
 from snaketrl.imports import imports_done
-from snaketrl.io import read_jsonl, write_json, write_jsonl
+from snaketrl.io import read_json, read_jsonl, write_json, write_jsonl
 from snaketrl.models.merge import MERGED_FROM
 from snaketrl.remote_code import TRUSTED_JUDGES, trusted
 
@@ -108,8 +108,9 @@ HEADLINE = {"nll": ("references", "nll"), "preference accuracy": ("pairs", "accu
             "logp accuracy": ("pairs", "logp_accuracy"), "margin": ("pairs", "margin"), "kl_k1": ("kl_k1",)}
 
 
-def check_finite(metrics: dict, target: dict) -> None:
-    """Refuse to report a model whose headline metrics (HEADLINE, each score's mean) are NaN or infinite."""
+def check_finite(metrics: dict, target: dict, adapter_dir=None) -> None:
+    """Refuse to report a model whose headline metrics (HEADLINE, each score's mean) are NaN or infinite; a run's
+    (its adapter in `adapter_dir`) with the advice its training arguments leave (training_advice)."""
     paths = {**HEADLINE, **{f"{score} mean": ("scores", score, "mean") for score in metrics.get("scores", {})}}
     for label, path in paths.items():
         value = metrics
@@ -118,9 +119,20 @@ def check_finite(metrics: dict, target: dict) -> None:
         if not finite(value):
             if target.get("run"):
                 raise Diverged(f"evaluation of run '{target['run']}': {label} is {value}; its model diverged in "
-                               f"training: train it again ({HINT})")
+                               f"training: train it again ({training_advice(adapter_dir)})")
             raise Diverged(f"evaluation of base model '{target['model']}': {label} is {value}; its weights give "
                            f"non-finite scores")
+
+
+def training_advice(adapter_dir) -> str:
+    """The divergence guard's advice for the run that trained `adapter_dir`, less what its training arguments
+    already did (clipping on, bf16 off), as its manifest records them: a run's adapter and manifest.json share
+    its directory (snaketrl.paths). HINT where there is no manifest to read."""
+    try:
+        args = read_json(Path(adapter_dir).parent / "manifest.json")["trl_args"]
+        return advice(args["max_grad_norm"], args["bf16"])
+    except (TypeError, OSError, ValueError, KeyError):  # TypeError: no adapter_dir
+        return HINT
 
 
 def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_metrics, adapter_dir=None,
@@ -276,7 +288,7 @@ def evaluate(*, target: dict, settings: dict, model_dir, out_completions, out_me
                                  if by_id is not None else None)
             metrics["scores"][score] = {**entry, "n": len(values), "prompts": dataset}
 
-    check_finite(metrics, target)
+    check_finite(metrics, target, adapter_dir)
     info = {"run": name, "model": target["model"], "trainer": target["trainer"], "seed": seed,
             "reference": target.get("reference")}
     rows = [{**info, **row} for row in rows + [r for done in judged.values() for r in done]]

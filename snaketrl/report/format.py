@@ -16,6 +16,7 @@ import numpy as np
 from snaketrl.units import human_bytes
 
 MISSING = "–"
+MINUS = "\u2212"  # the typographic minus, as wide as "+"
 SI = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
 # Column kinds: "text", "int" (thousands separators), "float" (the column's decimals), "percent" (a share
 # 0..1 shown ×100), "si" (k/M/G/T, three significant digits), "bytes" (MiB/GiB), "seconds".
@@ -57,13 +58,29 @@ def si(value, significant: int = 3) -> str:
 
 
 def number(value, kind: str = "float", decimals: int | None = None) -> str:
-    """One value as its column kind shows it; missing values (None, NaN) read "–"."""
+    """One value as its column kind shows it; missing values (None, NaN) read "–", a negative one "−"."""
     if value is None or (_real(value) and isinstance(value, (float, np.floating)) and math.isnan(value)):
         return MISSING
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
-    if not _real(value) or kind == "text":
-        return plain(value) if _real(value) else str(value)
+    if not _real(value):
+        return str(value)
+    if kind == "text":
+        return plain(value)  # a config's value as written (a swept value reads as in its run's name)
+    return with_sign(value, _magnitude(abs(value), kind, decimals))
+
+
+def with_sign(value, text: str, plus: bool = False) -> str:
+    """`text`, the magnitude of `value` as shown, with its sign: "−" (the typographic minus, as every negative
+    number on the page) where negative, "+" where positive and `plus`; none where the text shows zero ("0.000"),
+    while "<0.001" (a value at float noise off zero) keeps its sign."""
+    if not any(c in "123456789∞" for c in text):
+        return text
+    return (MINUS if value < 0 else "+" if plus else "") + text
+
+
+def _magnitude(value, kind: str, decimals: int | None) -> str:
+    """A value ≥ 0 (or +∞) as its column kind shows it."""
     if not math.isfinite(value):
         return plain(value)
     if kind == "int":
@@ -78,16 +95,16 @@ def number(value, kind: str = "float", decimals: int | None = None) -> str:
         return f"{value:,.1f} s" if value < 600 else f"{int(value // 60)} min {value % 60:02.0f} s"
     if decimals is not None:
         return _fixed(value, decimals)
-    if abs(value) >= 1000:
+    if value >= 1000:
         return f"{value:,.0f}"
     # One value on its own: four significant digits, trailing zeros dropped (a learning rate reads 0.005).
     return np.format_float_positional(float(value), precision=4, unique=False, fractional=False, trim="-")
 
 
 def _fixed(value, decimals: int) -> str:
-    """`decimals` decimals; a value that is not zero but would read as zero says so (<0.001, >-0.001)."""
-    if value and abs(value) < 0.5 * 10 ** -decimals:
-        return f"{'<' if value > 0 else '>-'}{10 ** -decimals:.{decimals}f}"
+    """A value ≥ 0 with `decimals` decimals; one that is not zero but would read as zero says so (<0.001)."""
+    if value and value < 0.5 * 10 ** -decimals:
+        return f"<{10 ** -decimals:.{decimals}f}"
     return f"{value:,.{decimals}f}"
 
 

@@ -171,12 +171,9 @@ def compare(scores: pd.DataFrame, first: str, second: str, column: str) -> Diffe
 
 def signed(value: float, kind: str, decimals: int | None) -> str:
     """A difference in its column's unit (percentage points for a share), with its sign."""
-    from snaketrl.report.format import spread
+    from snaketrl.report.format import spread, with_sign
 
-    text = spread(abs(value), kind, decimals)
-    # Zero as shown gets no sign; "<0.001" (a bound at float noise above zero) keeps its sign.
-    shown_zero = not any(c in "123456789" for c in text)
-    return text if shown_zero else ("+" if value > 0 else "−") + text
+    return with_sign(value, spread(abs(value), kind, decimals), plus=True)
 
 
 def describe(d: Difference, kind: str, decimals: int | None) -> str:
