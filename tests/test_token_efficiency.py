@@ -52,6 +52,9 @@ def test_sft_counts_every_token_trl_counts_and_drops_what_the_histogram_counted(
     assert floor < metrics["flops"] < floor + (4 * weights["head_weights"] + attention) * metrics["processed_tokens"]
     assert metrics["cost_by_step"]["step"] == [1, 2, 3, 4] and metrics["cost_by_step"]["flops"][-1] == metrics["flops"]
     assert metrics["peak_rss_bytes"] > 100 * 2**20 and metrics["train_seconds"] > 0
+    # where training began, after the model loaded: below the peak, what the activation estimate is checked against
+    assert 100 * 2**20 < metrics["train_begin_rss_bytes"] < metrics["peak_rss_bytes"]
+    assert 100 * 2**20 < metrics["train_begin_peak_rss_bytes"] <= metrics["peak_rss_bytes"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["trl_args"]["train_sampling_strategy"] == "group_by_length"
 

@@ -250,6 +250,20 @@ def step_flops(step: dict) -> int:
     return step.get("flops_trained", 0) + step.get("flops_forward_only", 0)
 
 
+# A step record's memory (snaketrl.train.tokens.TokenCounter): the peaks so far, and the resident memory and peak
+# where training began (the weights loaded), which the steps' peak adds to unless loading peaked higher.
+MEMORY_KEYS = ("peak_rss_bytes", "cuda_peak_bytes", "train_begin_rss_bytes", "train_begin_peak_rss_bytes",
+               "train_begin_cuda_peak_bytes")
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now: where training begins, what its steps' peak adds to (the activation
+    estimate of snaketrl.train.memory is checked against that difference)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def cost_summary(steps: list[dict]) -> dict:
     """Totals over the per-step records (snaketrl.train.tokens.TokenCounter.steps) and the cumulative FLOPs and
     seconds at every optimizer step, to put a log_history's steps on a compute axis."""
@@ -265,7 +279,7 @@ def cost_summary(steps: list[dict]) -> dict:
            "flops_forward_only": sum(s.get("flops_forward_only", 0) for s in steps),
            "forward_only_tokens": sum(s.get("forward_only_tokens", 0) for s in steps),
            "train_seconds": seconds, "cost_by_step": curve}
-    for key in ("peak_rss_bytes", "cuda_peak_bytes"):
+    for key in MEMORY_KEYS:
         values = [s[key] for s in steps if key in s]
         if values:
             out[key] = max(values)

@@ -7,7 +7,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from snaketrl.train.cost import FlopMeter, cost_summary, decoder, models_of, peak_memory, step_flops
+from snaketrl.train.cost import (MEMORY_KEYS, FlopMeter, cost_summary, decoder, models_of, peak_memory,
+                                 resident_bytes, step_flops)
 
 
 class TokenCounter(TrainerCallback):
@@ -22,13 +23,14 @@ class TokenCounter(TrainerCallback):
     def __init__(self, pad_token_id: int | None):
         self.pad_token_id = pad_token_id
         # per optimizer step: real, processed, seconds, flops_trained, flops_forward_only, forward_only_tokens,
-        # peak_rss_bytes (and cuda_peak_bytes on a GPU)
+        # and snaketrl.train.cost.MEMORY_KEYS
         self.steps: list[dict] = []
         self._real = self._processed = 0
         self._started = None
         self._hooks = []
         self.flops = FlopMeter()
         self._models = {}
+        self._begin = {}
 
     def watch(self, trainer) -> None:
         """Count the FLOPs of every model `trainer` runs (the callback itself only gets the trained one)."""
@@ -55,6 +57,9 @@ class TokenCounter(TrainerCallback):
                        _embeddings(model).register_forward_pre_hook(self._count_processed),
                        *self.flops.hook(self._models or {"policy": getattr(model, "policy", model)})]
         self._started = time.perf_counter()
+        # the weights loaded, no step run yet
+        self._begin = {"train_begin_rss_bytes": resident_bytes(),
+                       **{f"train_begin_{k}": v for k, v in peak_memory().items()}}
 
     def on_step_begin(self, args, state, control, **kwargs):
         _synchronize()
@@ -67,7 +72,8 @@ class TokenCounter(TrainerCallback):
         _synchronize()
         now = time.perf_counter()
         self.steps.append({"step": state.global_step, "real": int(self._real), "processed": self._processed,
-                           "seconds": now - self._started, **self.flops.take(), **peak_memory()})
+                           "seconds": now - self._started, **self.flops.take(), **peak_memory(),
+                           **self._begin})
         self._real = self._processed = 0
         self._started = now
 
@@ -136,7 +142,7 @@ class FlopBudget(TokenBudget):
 
 # Per-step records of processes that trained together: counts and FLOPs add up, a step lasts as long as its
 # slowest process, and peak memory is the largest process's.
-LONGEST = ("seconds", "peak_rss_bytes", "cuda_peak_bytes")
+LONGEST = ("seconds", *MEMORY_KEYS)
 
 
 def combine_ranks(per_rank: list[list[dict]]) -> list[dict]:
