@@ -111,6 +111,20 @@ def test_the_sentence_names_the_best_per_model_and_the_runs_that_did_not_move():
     assert text[3] == "Did not move from their start model (the same completion for every prompt): dpo-m (= base-m)."
 
 
+def test_the_yardstick_sentence_says_runs_have_different_seeds_where_they_do():
+    # config/smollm2.yaml: SFT over 3 seeds, DPO over 1; "the mean over 3 seeds" was said of both.
+    metrics = {"base-m": _job("base", "m", 0.1), "dpo-m": _job("dpo", "m", 0.3),
+               **{f"sft-m-seed{s}": _job("sft", "m", 0.5 + s / 100) for s in (1, 2, 3)}}
+    board, best = leaderboard.table(metrics, {f"sft-m-seed{s}": "sft-m" for s in (1, 2, 3)})
+    text = glance.sentences(board, "rm_judge", True, {}, 8, best)
+    assert text[0].startswith("Yardstick: rm_judge, higher is better; each value the mean over a run's seeds (1 to 3) "
+                              "± their std where it has several. Bars:")
+    metrics.pop("dpo-m")
+    board, best = leaderboard.table(metrics, {f"sft-m-seed{s}": "sft-m" for s in (1, 2, 3)})
+    assert glance.sentences(board, "rm_judge", True, {}, 8, best)[0].startswith(
+        "Yardstick: rm_judge, higher is better; each value the mean over 3 seeds ± their std. Bars:")
+
+
 def test_the_sentence_writes_a_negative_yardstick_with_the_minus_sign_of_its_intervals():
     # A negative score (an NLL-like reward) once read "base-m (-2.85)" beside "−0.120 (95 % interval ...)".
     metrics = {"base-m": _job("base", "m", -2.85), "sft-m": _job("sft", "m", -0.5), "dpo-m": _job("dpo", "m", -1.25)}

@@ -143,9 +143,13 @@ def sentences(board: dict, col: str, higher: bool | None, moved: dict[str, str |
         return text + (f" ± {spread(sd, k, d)}" if sd == sd else "")
 
     seeds = int(info["seeds"].max()) if len(info) else 1
+    fewest = int(info.loc[info["trainer"] != "base", "seeds"].min()) if (info["trainer"] != "base").any() else seeds
     over = f"the {n_prompts} prompts" + (" and the seeds" if seeds > 1 else "")
+    # A file may give runs different seeds (config/smollm2.yaml: SFT and GRPO 3, the others 1).
+    per_run = (f"; each value the mean over {seeds} seeds ± their std" if fewest == seeds else
+               f"; each value the mean over a run's seeds ({fewest} to {seeds}) ± their std where it has several")
     out = [f"Yardstick: {col}" + {True: ", higher is better", False: ", lower is better"}.get(higher, "")
-           + (f"; each value the mean over {seeds} seeds ± their std" if seeds > 1 else "; one seed per run")
+           + (per_run if seeds > 1 else "; one seed per run")
            + f". Bars: the 95 % interval of a run's paired difference to its base (bootstrap over {over}); a "
              f"bar that crosses its base's line is no difference from it."]
     if higher is not None:
