@@ -80,8 +80,28 @@ def accuracy(completions, answer, match: str = "strict", **_) -> list[float]:
     return out
 
 
+ROUGE_KINDS = ("rouge1", "rouge2", "rougeL")
+
+
+@functools.cache
+def _rouge_scorer(kind: str):
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer([kind], use_stemmer=True)
+
+
+def rouge(completions, answer, kind: str = "rougeL", **_) -> list[float]:
+    """ROUGE F1 of the completion against the `answer` column (e.g. a post author's own TL;DR), by Google's
+    rouge-score: lowercased words, Porter-stemmed; `kind` rouge1 (words), rouge2 (word pairs) or rougeL (the
+    longest common subsequence). Graded in [0, 1], so a group of completions differs even where none is right."""
+    if kind not in ROUGE_KINDS:
+        raise ConfigError(f"config: reward_funcs: rouge: kind must be one of {', '.join(ROUGE_KINDS)}, got {kind!r}")
+    scorer = _rouge_scorer(kind)
+    return [float(scorer.score(ref, _text(c))[kind].fmeasure) for c, ref in zip(completions, answer)]
+
+
 BUILTINS = {"unique_chars": unique_chars, "format": format_match, "keyword": keyword, "accuracy": accuracy,
-            "prompt_overlap": prompt_overlap}
+            "prompt_overlap": prompt_overlap, "rouge": rouge}
 
 
 def resolve_name(name: str):

@@ -471,3 +471,23 @@ def test_implicit_prompt_split_and_conversation_check_agree_with_trl(chosen, rej
     assert ours == [trl.extract_prompt({"chosen": chosen, "rejected": rejected})]
     for value in (chosen, rejected, "text", ["a", "b"], [{"content": "no role"}]):
         assert is_conversational(value) == trl.is_conversational({"prompt": value})
+
+
+def test_distinct_keeps_each_values_first_row_and_no_eval_row_repeats_a_train_rows(tmp_path):
+    # tldr-instructgpt-samples' layout: each post (`context`) on consecutive rows, one per model's sample.
+    train = [{"context": f"post {i // 3}", "ref_text": f"tl;dr {i // 3}", "sample": f"s{i}"} for i in range(9)]
+    evals = [{"context": c, "ref_text": "x", "sample": "e"} for c in ("post 9", "post 2", "post 9", "post 10")]
+    files = {"train": write_lines(tmp_path / "train.jsonl", train), "eval": write_lines(tmp_path / "eval.jsonl", evals)}
+    got = fetch("tldr", {"files": files, "distinct": "context"}, seed=0)
+    assert [r["sample"] for r in got.train] == ["s0", "s3", "s6"]
+    assert got.origin["train"]["lines"] == [1, 4, 7]
+    assert [r["context"] for r in got.eval] == ["post 9", "post 10"]  # post 2 is a train row's
+    assert got.origin["eval"]["lines"] == [1, 4]
+    # Before a seeded hold-out: the held-out rows are distinct posts, none of them also trained on.
+    held = fetch("tldr", {"files": files["train"], "distinct": "context", "eval_size": 0.34}, seed=0)
+    assert len(held.train) == 2 and len(held.eval) == 1
+    assert {r["context"] for r in held.train} | {r["context"] for r in held.eval} == {"post 0", "post 1", "post 2"}
+    with pytest.raises(DataError) as err:
+        fetch("tldr", {"files": files, "distinct": "prompt"}, seed=0)
+    assert str(err.value) == (f"dataset 'tldr': distinct: column 'prompt' is missing from {files['train']} line 1; "
+                              "columns are ['context', 'ref_text', 'sample']")

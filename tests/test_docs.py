@@ -175,6 +175,31 @@ def test_the_real_model_grpo_config_is_config_smollm2s_sft_and_grpo_over_five_se
     assert cfg["evaluation"]["prompts"] == main_cfg["evaluation"]["prompts"] == {"dataset": "arithmetic", "size": 128}
 
 
+def test_the_grpo_tldr_bench_chains_grpo_on_each_sft_seed_rewarded_by_rouge_on_the_human_tldrs(tmp_path):
+    """bench/grpo-tldr.yaml (docs/real-model.md, "On other real data"): SFT and GRPO from each seed's SFT policy on the
+    human TL;DRs read in place (../shared/data), one row a post, GRPO and the yardstick scored by ROUGE-L."""
+    from snaketrl.config import resolve_runs, validate
+
+    path = ROOT / "bench" / "grpo-tldr.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    data = cfg["datasets"]["tldr_human"]
+    work = tmp_path / "work"
+    for file in data["files"].values():
+        assert file.startswith("../shared/data/tldr-instructgpt-samples/")
+        (work / file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "data/samples/tldr.jsonl", work / file)
+    assert dry_run(work, "--configfile", str(path))["train"] == 6
+    main = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())
+    assert cfg["models"]["smollm2"] == main["models"]["smollm2"]
+    validate(cfg, str(ROOT / "config" / "schema.yaml"))
+    runs = resolve_runs(cfg, shipped)
+    assert sorted(runs) == [f"{t}-smollm2-seed{s}" for t in ("grpo", "sft") for s in range(1, 4)]
+    seeds = range(1, 4)
+    assert [runs[f"grpo-smollm2-seed{s}"]["policy"] for s in seeds] == [f"sft-smollm2-seed{s}" for s in seeds]
+    assert data["distinct"] == "context" and data["columns"]["answer"] == data["columns"]["completion"] == "ref_text"
+    assert cfg["trainers"]["grpo"]["reward_funcs"] == cfg["evaluation"]["reward_funcs"] == ["rouge"]
+
+
 def test_the_cuda_marker_count_batching_md_states_is_the_collected_one():
     files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",

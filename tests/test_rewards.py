@@ -1,7 +1,7 @@
 import pytest
 
 from snaketrl.config import ConfigError
-from snaketrl.rewards import accuracy, format_match, keyword, prompt_overlap, resolve, unique_chars
+from snaketrl.rewards import accuracy, format_match, keyword, prompt_overlap, resolve, rouge, unique_chars
 
 
 def test_builtins_score_each_completion():
@@ -41,3 +41,18 @@ def test_flexible_accuracy_takes_the_last_number_of_prose():
     assert accuracy([[{"role": "assistant", "content": "It is 22."}]], answer=["#### 22"], match="flexible") == [1.0]
     with pytest.raises(ConfigError, match="accuracy: match must be strict or flexible, got 'loose'"):
         accuracy(["1"], answer=["1"], match="loose")
+
+
+def test_rouge_scores_f1_against_the_answer():
+    tldr = ["Corporations are people, but they can't high-five."] * 4
+    # rougeL: longest common subsequence of stemmed words, 6 of the completion's 7 and of the TL;DR's 9: F1 12/16.
+    completions = ["Corporations are people but cannot high-five.", "I lost my keys.", "",
+                   [{"role": "assistant", "content": "corporation people"}]]
+    assert rouge(completions, answer=tldr) == [0.75, 0.0, 0.0, pytest.approx(4 / 11)]
+    # rouge1: "cats sitting" shares one stem (cat) with "the cats sat": precision 1/2, recall 1/3.
+    assert rouge(["the cat sat on the mat", "cats sitting"], answer=["The cat sat.", "the cats sat"],
+                 kind="rouge1") == [2 / 3, pytest.approx(0.4)]
+    assert rouge(["the cat sat on the mat"], answer=["The cat sat."], kind="rouge2") == [pytest.approx(4 / 7)]
+    with pytest.raises(ConfigError, match="rouge: kind must be one of rouge1, rouge2, rougeL, got 'rougeLsum'"):
+        rouge(["a"], answer=["a"], kind="rougeLsum")
+    assert resolve([{"function": "rouge", "kwargs": {"kind": "rouge1"}}])[0](["a b"], answer=["a"]) == [2 / 3]

@@ -196,6 +196,10 @@ def fetch(name: str, entry: dict, seed: int) -> Fetched:
         train = _load_hub(name, entry, entry.get("split", "train"))
         evals = _load_hub(name, entry, entry["eval_split"]) if entry.get("eval_split") else None
     sieve.close()
+    if entry.get("distinct"):
+        seen: set[str] = set()
+        train = _first_of_each(name, train, entry["distinct"], seen)
+        evals = _first_of_each(name, evals, entry["distinct"], seen) if evals is not None else None
     if evals is None:
         kept, held = split_rows(list(range(len(train.rows))), entry.get("eval_size", 0.1), seed)
         train, evals = train.take(kept), train.take(held)
@@ -205,6 +209,23 @@ def fetch(name: str, entry: dict, seed: int) -> Fetched:
         if not part.rows:
             raise DataError(f"dataset '{name}': the {split} split is empty{sieve.after_dropping()}")
     return Fetched(train.rows, evals.rows, {"train": train.origin, "eval": evals.origin}, sieve.dropped)
+
+
+def _first_of_each(name: str, part: _Part, column: str, seen: set[str]) -> _Part:
+    """The rows whose `column` holds a value no earlier row held (`seen`, shared by the splits: an eval row
+    repeating a train row's value is left out too)."""
+    key = "lines" if "lines" in part.origin else "rows"
+    source = part.origin.get("file", part.origin.get("hub"))
+    kept = []
+    for i, row in enumerate(part.rows):
+        if column not in row:
+            raise DataError(f"dataset '{name}': distinct: column '{column}' is missing from {source} "
+                            f"{key[:-1]} {part.origin[key][i]}; columns are {list(row)}")
+        value = json.dumps(row[column], sort_keys=True)  # a conversation is a list: compared as its JSON
+        if value not in seen:
+            seen.add(value)
+            kept.append(i)
+    return part.take(kept)
 
 
 def split_rows(rows: list, eval_size: float, seed: int) -> tuple[list, list]:
