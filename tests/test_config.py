@@ -192,6 +192,19 @@ def test_wrong_reward_function_name(config):
         resolve_runs(config)
 
 
+def test_a_builtin_reward_functions_kwargs_are_checked_at_parse_time(config):
+    config["trainers"]["grpo"]["reward_funcs"] = [{"function": "rouge", "kwargs": {"knd": "rouge1"}}]
+    with pytest.raises(ConfigError, match=r"^config: trainers.grpo.reward_funcs: rouge: unknown kwargs key 'knd' "
+                                          r"\(did you mean 'kind'\?\); rouge takes \['kind'\]$"):
+        resolve_runs(config)
+    config["trainers"]["grpo"]["reward_funcs"] = [{"function": "rouge", "kwargs": {"kind": "rougeLsum"}}]
+    with pytest.raises(ConfigError, match=r"^config: trainers.grpo.reward_funcs: rouge: kind must be one of "
+                                          r"rouge1, rouge2, rougeL, got 'rougeLsum'$"):
+        resolve_runs(config)
+    config["trainers"]["grpo"]["reward_funcs"] = [{"function": "accuracy", "kwargs": {"match": "flexible"}}]
+    assert resolve_runs(config)
+
+
 def test_ppo_reward_model_must_be_a_reward_run(config):
     config["trainers"]["ppo"]["reward_model"] = "sft-{model}"
     with pytest.raises(ConfigError, match=r"^config: trainers.ppo.reward_model \(run ppo-qwen2-tiny\): run "

@@ -6,6 +6,7 @@ Pure Python (no torch/transformers/trl): the Snakefile calls this at parse time.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -210,19 +211,21 @@ def _check_run_rewards(config: dict, runs: dict, name: str, run: dict, where: st
         raise ConfigError(f"config: {written_at(config, name, run, 'reward_funcs')}: trainer '{run['trainer']}' "
                           f"takes no reward functions")
     for entry in run.get("reward_funcs", []):
-        check_reward_func(entry if isinstance(entry, str) else entry["function"],
-                          written_at(config, name, run, "reward_funcs"))
+        check_reward_func(entry, written_at(config, name, run, "reward_funcs"))
     if spec.generation_check:
         check_generation_batch(run["trainer"], trl_args(config, run), where)
 
 
-def check_reward_func(name: str, where: str) -> None:
-    """A reward function's name: a built-in, or `package.module:function` whose module exists (found as the
-    import system finds it, not run: a user's module may import torch) and defines the function."""
+def check_reward_func(entry, where: str) -> None:
+    """A reward function entry (a name, or {function, kwargs}): a built-in with arguments it takes and accepts, or
+    `package.module:function` whose module exists (found as the import system finds it, not run: a user's module
+    may import torch) and defines the function."""
+    name = entry if isinstance(entry, str) else entry["function"]
     if ":" not in name:
         if name not in BUILTINS:
             raise ConfigError(f"config: {where}: unknown reward function '{name}'{close_match(name, BUILTINS)}; "
                               f"expected one of {sorted(BUILTINS)} or 'package.module:function'")
+        check_builtin_kwargs(name, {} if isinstance(entry, str) else entry.get("kwargs") or {}, where)
         return
     module, _, func = name.partition(":")
     found = module_source(module)
@@ -233,6 +236,23 @@ def check_reward_func(name: str, where: str) -> None:
     if names is not None and func not in names:
         raise ConfigError(f"config: {where}: '{name}': module '{module}' ({found[0]}) defines no '{func}'"
                           f"{did_you_mean(func, names)}")
+
+
+def check_builtin_kwargs(name: str, kwargs: dict, where: str) -> None:
+    """A built-in's kwargs: only the settings it has (its arguments with defaults; the others are data columns),
+    with values it accepts. Each built-in checks its settings before scoring anything, so scoring no completion
+    checks them here rather than in the first training step."""
+    func = BUILTINS[name]
+    settings = [p.name for p in inspect.signature(func).parameters.values()
+                if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty]
+    for key in kwargs:
+        if key not in settings:
+            raise ConfigError(f"config: {where}: {name}: unknown kwargs key '{key}'{close_match(key, settings)}; "
+                              f"{name} takes {settings or 'no kwargs'}")
+    try:
+        func([], answer=[], prompts=[], **kwargs)
+    except ConfigError as err:  # the built-in's own message, placed at the entry's key
+        raise ConfigError(str(err).replace("config: reward_funcs:", f"config: {where}:", 1)) from None
 
 
 def _check_local_files(config: dict, runs: dict, shipped=None) -> None:

@@ -102,7 +102,7 @@ def check_evaluation(section: dict | None, runs: dict[str, dict], datasets: dict
     names = []
     for entry in ev["reward_funcs"]:
         fname = reward_func_name(entry)
-        check_reward_func(fname, "evaluation.reward_funcs")
+        check_reward_func(entry, "evaluation.reward_funcs")
         names.append(score_name("fn", fname))
     names += [score_name("rm", n) for n in ev["reward_models"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
