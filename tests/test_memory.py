@@ -226,3 +226,102 @@ def test_grpos_chunked_step_measures_its_estimate(kept, trained_rows, tmp_path, 
     assert 0.95 <= estimate / peak.peak < 1.1, (estimate, peak.peak)  # 0.995 to 1.05 measured
     if kept or trained_rows:  # the chunk count of DPO's alone falls short
         assert activation_bytes(shape, ids.numel(), 4, rows * keep, chunked=True) / peak.peak < 0.85
+
+
+def test_trls_path_on_a_head_with_trained_rows_holds_one_weight_copy_more(tmp_path):
+    """DPO, KTO and ORPO keep TRL's path, every position's logits at once, where a chat template's added tokens train
+    in the head (snaketrl.train.scored.plans_chunks): peft's wrapper builds the whole weight once a forward, and one
+    copy is alive at the step's peak, which the estimate counts (it counted none: Gemma 3's DPO and ORPO)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.trainer.utils import selective_log_softmax
+
+    from snaketrl.models.chat_template import trainable_tokens, write_record
+    from snaketrl.train.memory import activation_bytes
+
+    rows, width, hidden = 2, 96, 256
+    measured = {}
+    for trained_rows in (False, True):
+        shape = {"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+        lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+        if trained_rows:
+            model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
+            write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
+            lora = trainable_tokens(model, tmp_path, lora)
+        model = get_peft_model(model, LoraConfig(**lora))
+        ids = torch.randint(0, VOCAB, (rows, width), generator=torch.Generator().manual_seed(1))
+        with PeakLive(model) as peak:
+            selective_log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1], ids[:, 1:]).sum().backward()
+        measured[trained_rows] = peak.peak
+    copy = (VOCAB + 2) * hidden * 4
+    assert 0.95 <= (measured[True] - measured[False]) / copy < 1.1, measured  # 1.03 measured
+    shape["vocab_size"] = VOCAB + 2
+    assert activation_bytes(shape, rows * width, 4, trained_rows=True) - activation_bytes(shape, rows * width, 4) \
+        == copy
+
+
+@pytest.mark.parametrize("dtype, prompt", [("bfloat16", 16), ("bfloat16", 112), ("float32", 48)])
+def test_online_dpos_trained_pass_measures_its_estimate(dtype, prompt):
+    """Online DPO's trained pass (TRL's _forward: the model's logits for every position, a log-softmax of the
+    completions alone), its reference pass without gradient, and the backward pass: the estimate counts the dtype's
+    bytes per vocabulary entry of every position and twice that of each completion position (12 of every position
+    before: 2 to 5 times the logits measured)."""
+    import types
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl.experimental.online_dpo.online_dpo_trainer import OnlineDPOTrainer
+
+    from snaketrl.train.memory import activation_bytes
+
+    rows, completion = 8, 32
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        dtype=getattr(torch, dtype))
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    prompts, completions = (torch.randint(0, VOCAB, (rows, n), generator=gen) for n in (prompt, completion))
+    forward = types.MethodType(OnlineDPOTrainer._forward, types.SimpleNamespace(max_length=512))
+    masks = torch.ones_like(prompts), torch.ones_like(completions)
+    with PeakLive(model) as peak:
+        logprobs = forward(model, prompts, masks[0], completions, masks[1])
+        with torch.no_grad(), model.disable_adapter():
+            reference = forward(model, prompts, masks[0], completions, masks[1])
+        (logprobs - reference).sum().backward()
+    size = 2 if dtype == "bfloat16" else 4
+    tokens = rows * (prompt + completion)
+    estimate = activation_bytes(shape, tokens, size, completions=rows * completion)
+    assert 0.97 <= estimate / peak.peak < 1.05, (estimate, peak.peak)  # 0.99 to 1.02 measured
+    assert activation_bytes(shape, tokens, size) / peak.peak > 1.6  # every position at 12 bytes: 1.66 to 3.4
+
+
+def test_ppos_value_model_keeps_a_gradient_and_two_adamw_moments_of_every_weight(tmp_path):
+    """PPO trains its value model's every weight: after an AdamW step each has a gradient and two moments in its
+    dtype, what trained_state_bytes counts from the model's files (none of it counted before: Qwen's PPO step added
+    3.14 GiB against an estimate of 1.18)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from snaketrl.train.memory import parameter_count, trained_state_bytes
+
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 4096,
+             "num_labels": 1, "pad_token_id": 0}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    assert parameter_count(tmp_path) == sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(input_ids=torch.randint(1, 4096, (2, 16))).logits.sum().backward()
+    optimizer.step()
+    kept = sum(p.grad.nbytes for p in model.parameters()) + sum(
+        t.nbytes for state in optimizer.state.values() for t in state.values() if t.dim() > 0)
+    assert trained_state_bytes(tmp_path, 2) == kept
+    assert trained_state_bytes(None, 2) == 0
