@@ -48,6 +48,28 @@ class PeakLive:
 VOCAB, HIDDEN, ROWS, WIDTH, LABELS = 65536, 64, 2, 48, 16
 
 
+def vocab_model(hidden: int, trained_rows: bool, tmp_path):
+    """A one-layer Qwen2 LoRA model with VOCAB entries, tied; with `trained_rows`, two added tokens whose rows train
+    (peft's trainable tokens, as a chat template's): (the peft model, its shape)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketrl.models.chat_template import trainable_tokens, write_record
+
+    shape = {"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    if trained_rows:
+        model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
+        shape["vocab_size"] = VOCAB + 2
+        write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
+        lora = trainable_tokens(model, tmp_path, lora)
+    return get_peft_model(model, LoraConfig(**lora)), shape
+
+
 def sft_step_peak(dtype, monkeypatch) -> tuple[int, dict]:
     """Peak bytes of one SFT step on the label tokens only (snaketrl's one pass, as on a CPU) of a LoRA model
     with a large vocabulary, and its config."""
@@ -192,28 +214,14 @@ def test_grpos_chunked_step_measures_its_estimate(kept, trained_rows, tmp_path, 
     alive at once."""
     import torch
     import trl
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from snaketrl.models.chat_template import trainable_tokens, write_record
     from snaketrl.train import logps
     from snaketrl.train.memory import activation_bytes
     from test_logps import fake_trainer
 
     rows, prompt, keep = 8, 16, 48
     monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", logps.KEPT_LOGITS_BYTES if kept else 2 ** 20)
-    shape = {"hidden_size": 256 if trained_rows else HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1,
-             "vocab_size": VOCAB}
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
-    if trained_rows:
-        model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
-        shape["vocab_size"] = VOCAB + 2
-        write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
-        lora = trainable_tokens(model, tmp_path, lora)
-    model = get_peft_model(model, LoraConfig(**lora))
+    model, shape = vocab_model(256 if trained_rows else HIDDEN, trained_rows, tmp_path)
     trainer = fake_trainer(trl.GRPOTrainer, model)
     logps.chunk_completion_logits(trainer)
     ids = torch.randint(0, VOCAB, (rows, prompt + keep), generator=torch.Generator().manual_seed(1))
@@ -233,33 +241,20 @@ def test_trls_path_on_a_head_with_trained_rows_holds_one_weight_copy_more(tmp_pa
     in the head (snaketrl.train.scored.plans_chunks): peft's wrapper builds the whole weight once a forward, and one
     copy is alive at the step's peak, which the estimate counts (it counted none: Gemma 3's DPO and ORPO)."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
     from trl.trainer.utils import selective_log_softmax
 
-    from snaketrl.models.chat_template import trainable_tokens, write_record
     from snaketrl.train.memory import activation_bytes
 
     rows, width, hidden = 2, 96, 256
     measured = {}
     for trained_rows in (False, True):
-        shape = {"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-        lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
-        if trained_rows:
-            model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
-            write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
-            lora = trainable_tokens(model, tmp_path, lora)
-        model = get_peft_model(model, LoraConfig(**lora))
+        model, shape = vocab_model(hidden, trained_rows, tmp_path)
         ids = torch.randint(0, VOCAB, (rows, width), generator=torch.Generator().manual_seed(1))
         with PeakLive(model) as peak:
             selective_log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1], ids[:, 1:]).sum().backward()
         measured[trained_rows] = peak.peak
     copy = (VOCAB + 2) * hidden * 4
     assert 0.95 <= (measured[True] - measured[False]) / copy < 1.1, measured  # 1.03 measured
-    shape["vocab_size"] = VOCAB + 2
     assert activation_bytes(shape, rows * width, 4, trained_rows=True) - activation_bytes(shape, rows * width, 4) \
         == copy
 
