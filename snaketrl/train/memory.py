@@ -62,6 +62,14 @@ per vocabulary entry of every position and twice that of each completion positio
 bf16, 4 and 8 in fp32, at 48 to 144 positions a row: tests/test_memory.py), where the 12-byte count of every
 position said 2 to 5 times as much for its logits and its rows' half of the layers.
 
+A job that keeps the memory it frees (snaketrl.processes.keep_freed_memory: every trainer on a CPU but those that
+sample completions) holds TRL's every-position logits twice (`heap_kept`): its batches take new lengths every step,
+the kept heap cannot place the next step's logits and their temporaries in the blocks the last step freed, and
+grows by as much (the processes module measured SFT's loss settling at 1.9 times the memory it held given back).
+bench/vocab_memory.py on Gemma 3 270M with ChatML (ORPO, 2 hh-rlhf pairs a step of 688 tokens, TRL's path): 3.25
+GiB added given back, 5.93 kept; DPO's logits on label tokens alone 1.62 and 2.00. A chunked trainer's chunks are
+of one size and reuse their blocks.
+
 What training keeps besides activations (`trained_state_bytes`): PPO's value model trains every weight (TRL's
 PolicyAndValueWrapper; peft adapts the policy alone), so each of its parameters has a gradient and AdamW's two
 moments, in the weights' dtype (torch's AdamW keeps its states in the parameter's): 3 x 2 bytes a parameter in bf16,
@@ -101,7 +109,8 @@ KEPT_CHUNK_LOGITS = 4
 
 def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
                      upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
-                     kept: bool = False, trained_rows: bool = False, completions: int | None = None) -> int:
+                     kept: bool = False, trained_rows: bool = False, completions: int | None = None,
+                     heap_kept: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
     (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
     logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
@@ -113,7 +122,7 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     over the chunks; on TRL's path, one copy); `value_model`: the trained pass runs a value
     model of the same shape on the same tokens (PPO's), whose layers count again; `completions`: the trainer takes
     the model's logits of every position in its dtype and a log-softmax of these completion positions alone (online
-    DPO's)."""
+    DPO's); `heap_kept`: the job keeps the memory it frees, and its unchunked logits count twice."""
     from snaketrl.train.logps import chunk_positions, exceeds_chunk, keeps_too_much
 
     text = config.get("text_config", config)
@@ -142,7 +151,7 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     elif completions is not None:
         logits = compute * vocab * (positions + 2 * completions)
     else:
-        logits = LOGITS * vocab * positions
+        logits = LOGITS * vocab * positions * (2 if heap_kept else 1)
     if trained_rows and not chunked:
         head += vocab * hidden * compute  # the weight peft's wrapper builds once a forward (TRL's path)
     return int(tokens * layers * per_layer * (2 if value_model else 1) + logits + head)
@@ -174,6 +183,14 @@ def trained_state_bytes(value_model_dir, dtype_bytes: int) -> int:
     if value_model_dir is None:
         return 0
     return TRAINED_COPIES * parameter_count(value_model_dir) * (4 if dtype_bytes >= 4 else 2)
+
+
+def keeps_freed_memory(device: str, generates: bool) -> bool:
+    """Whether a job keeps the memory it frees (snaketrl.processes): on a CPU, unless its trainer samples completions
+    (it gives it back: snaketrl.train.run) or SNAKETRL_KEEP_FREED_MEMORY=0 leaves glibc's default; =1 keeps it
+    whatever the trainer."""
+    setting = os.environ.get("SNAKETRL_KEEP_FREED_MEMORY")
+    return device == "cpu" and (setting == "1" or (not generates and setting != "0"))
 
 
 def free_bytes(device: str) -> int:
@@ -225,17 +242,17 @@ def memory_limit_bytes(mem_mb: int | None, files=CGROUP_LIMITS) -> tuple[int | N
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
                          upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
                          kept: bool = False, trained_rows: bool = False, completions: int | None = None,
-                         trained_state: int = 0, other_weights: int = 0, limit: int | None = None,
+                         heap_kept: bool = False, trained_state: int = 0, other_weights: int = 0, limit: int | None = None,
                          limit_source: str = "") -> tuple[bool, str, dict]:
     """(checkpointing on?, why, the numbers compared): on where the activations of a forward of `tokens` tokens
-    (`projected`, `upcast_head`, `chunked`, `value_model`, `kept`, `trained_rows` and `completions` as
+    (`projected`, `upcast_head`, `chunked`, `value_model`, `kept`, `trained_rows`, `completions` and `heap_kept` as
     activation_bytes takes them) and `trained_state` (trained_state_bytes) would take more than SHARE of the memory
     left once the weights are loaded (the model's, and `other_weights`: a reward or value model's), of the smaller of
     `free` (the device's free bytes before loading) and `limit` (the job's own: memory_limit_bytes, set by
     `limit_source`)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     activations = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model, kept,
-                                   trained_rows, completions)
+                                   trained_rows, completions, heap_kept)
     need = activations + trained_state
     limited = limit is not None and limit < free
     room = int(SHARE * ((limit if limited else free) - weight_bytes(model_dir) - other_weights))

@@ -34,7 +34,7 @@ from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
 from snaketrl.train.logps import TRAINERS as CHUNKED_COMPLETIONS
 from snaketrl.train.logps import projection_alone
-from snaketrl.train.memory import choose_checkpointing, trained_state_bytes, weight_bytes
+from snaketrl.train.memory import choose_checkpointing, keeps_freed_memory, trained_state_bytes, weight_bytes
 from snaketrl.train.scored import plans_chunks
 from snaketrl.trainers import REGISTRY, Trainer, load
 
@@ -228,7 +228,7 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
             # online DPO's log-softmax of its completions alone (snaketrl.train.memory)
             completions=(fields.per_device_train_batch_size * spec.completions_per_prompt * completion_tokens(fields)
                          if spec.completions_per_prompt > 1 else None),
-            trained_state=trained_state_bytes(reward_dir if spec.value_model else None, dtype_bytes),
+            heap_kept=keeps_freed_memory(device.name, spec.generates), trained_state=trained_state_bytes(reward_dir if spec.value_model else None, dtype_bytes),
             other_weights=others, limit=device.limit_bytes, limit_source=device.limit_source)
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
