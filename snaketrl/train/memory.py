@@ -67,8 +67,12 @@ sample completions) holds TRL's every-position logits twice (`heap_kept`): its b
 the kept heap cannot place the next step's logits and their temporaries in the blocks the last step freed, and
 grows by as much (the processes module measured SFT's loss settling at 1.9 times the memory it held given back).
 bench/vocab_memory.py on Gemma 3 270M with ChatML (ORPO, 2 hh-rlhf pairs a step of 688 tokens, TRL's path): 3.25
-GiB added given back, 5.93 kept; DPO's logits on label tokens alone 1.62 and 2.00. A chunked trainer's chunks are
-of one size and reuse their blocks.
+GiB added given back, 5.93 kept; DPO's logits on label tokens alone 1.62 and 2.00. In the workflow (its hh-rlhf
+pairs at 2 a forward, 234 positions a row: config/examples/other-architectures.yaml) Gemma 3's DPO scatters the
+labels' bf16 logits into every position (0.46 GiB), makes an fp32 copy and a clone of it (0.91 each), for the policy
+and again for the reference, and its entropy's per-row temporaries (0.23 GiB each) grew the kept heap at almost
+every one: 5.9 GiB added in its first step, checkpointing on or off. A chunked trainer's chunks are of one size and
+reuse their blocks.
 
 What training keeps besides activations (`trained_state_bytes`): PPO's value model trains every weight (TRL's
 PolicyAndValueWrapper; peft adapts the policy alone), so each of its parameters has a gradient and AdamW's two
