@@ -293,3 +293,18 @@ def test_ppos_plan_counts_its_value_models_trained_state_and_its_two_reward_copi
     assert plain.memory["checkpointing_room_bytes"] - ppo.memory["checkpointing_room_bytes"] in range(
         int(SHARE * 2 * weights) - 1, int(SHARE * 2 * weights) + 2)
     assert "and the value model's gradients and optimizer states" in next(n for n in ppo.notes if "checkpoint" in n)
+
+
+def test_a_kept_heap_doubles_the_logits_of_dpo_on_a_cpu_not_sfts_nor_a_samplers(tmp_path, config, tiny_model_dir,
+                                                                                 monkeypatch):
+    """A CPU job keeps what it frees unless its trainer samples (snaketrl.processes): DPO's unchunked logits count
+    twice there; SFT's count of every position bounds it already; GRPO gives its memory back."""
+    from snaketrl.train import plan as planning
+    from snaketrl.train.plan import Device
+
+    monkeypatch.delenv("SNAKETRL_KEEP_FREED_MEMORY", raising=False)
+    seen, choose = [], planning.choose_checkpointing
+    monkeypatch.setattr(planning, "choose_checkpointing", lambda *a, **k: seen.append(k) or choose(*a, **k))
+    for trainer in ("dpo", "sft", "grpo"):
+        plan_of(tmp_path / trainer, config, tiny_model_dir, trainer, Device("cpu", False, 64 * GIB))
+    assert [k["heap_kept"] for k in seen] == [True, False, False]
