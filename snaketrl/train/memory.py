@@ -57,10 +57,13 @@ Trained token rows on TRL's own path (DPO, KTO and ORPO keep it on such a head: 
 online DPO): peft's wrapper builds the whole weight once a forward, one copy alive at the peak (tests/test_memory.py:
 DPO's step and online DPO's trained pass each 1.03 copies above the plain head's). Online DPO (`completions`) runs
 two completions of each prompt (its rows twice the batch: snaketrl.train.plan.forward_tokens), takes the model's
-logits for every position in its own dtype and a log-softmax of the completion positions alone: the dtype's bytes
-per vocabulary entry of every position and twice that of each completion position (measured 2.0 and 4.0 bytes in
-bf16, 4 and 8 in fp32, at 48 to 144 positions a row: tests/test_memory.py), where the 12-byte count of every
-position said 2 to 5 times as much for its logits and its rows' half of the layers.
+logits for every position and a log-softmax of the completion positions alone. In a 16-bit run accelerate hands the
+logits back in fp32 as well (convert_outputs_to_fp32, under autocast), and the backward pass holds both copies
+again: 6 bytes per vocabulary entry of every position and 6 of each completion position (measured 5.6 and 5.5 at 48
+to 144 positions a row, the trained pass, the reference's and the backward pass); in fp32, 4 and 8 (measured
+exactly: tests/test_memory.py). The count before said every position at 12 bytes and half the rows: Gemma 3's
+online DPO in the workflow (trace of its ops: bf16 logits of 8 x 145 positions, their fp32 copy, the slice's fp32
+gradient and its bf16 copy) added 3.33 GiB against 1.88 estimated.
 
 A job that keeps the memory it frees (snaketrl.processes.keep_freed_memory: every trainer on a CPU but those that
 sample completions) holds TRL's every-position logits twice (`heap_kept`): its batches take new lengths every step,
@@ -154,7 +157,8 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
             weight = vocab * hidden * compute
             head += 3 * weight - (KEPT_CHUNK_LOGITS * vocab * chunk if kept_logits else 0) if several else weight
     elif completions is not None:
-        logits = compute * vocab * (positions + 2 * completions)
+        # a 16-bit run's logits come back from accelerate in fp32 as well (convert_outputs_to_fp32)
+        logits = vocab * (6 * positions + 6 * completions if compute < 4 else 4 * positions + 8 * completions)
     else:
         logits = LOGITS * vocab * positions * (2 if heap_kept else 1)
     if trained_rows and not chunked:
