@@ -81,7 +81,7 @@ labels alone: SmolLM2's SFT on LIMA held 0.7 GB more kept, against 2.8 GiB count
 What training keeps besides activations (`trained_state_bytes`): PPO's value model trains every weight (TRL's
 PolicyAndValueWrapper; peft adapts the policy alone), so each of its parameters has a gradient and AdamW's two
 moments, in the weights' dtype (torch's AdamW keeps its states in the parameter's): 3 x 2 bytes a parameter in bf16,
-1.38 GiB for Gemma 3 270M's value model, 2.76 for Qwen2.5-0.5B's, which the step adds on top of its activations
+1.50 GiB for Gemma 3 270M's value model, 2.76 for Qwen2.5-Coder-0.5B's, which the step adds on top of its activations
 (docs/benchmarks.md: Qwen's PPO added 3.14 GiB against 1.18 of activations). Checkpointing does not shrink it, but
 what the plan compares with the room is both.
 
