@@ -182,9 +182,11 @@ def one(trainer: str, rows: int, length: int, completion: int, policy: Path, rew
     projected = projected_tokens(trainer, spec, fields, length)
     upcast = trainer == "sft"
     # as the plan counts them (not under --trl-logits)
-    chunked = (trainer in TRAINERS or trainer in logps.TRAINERS or spec.value_model) and logps.CHUNK_BYTES < 2 ** 62
-    value, kept = spec.value_model, trainer in logps.TRAINERS
     rows = trains_added_rows(policy, run["lora"])
+    # DPO's, KTO's and ORPO's chunks decline a head whose added tokens' rows train (scored.plans_chunks)
+    chunked = ((trainer in TRAINERS and not rows) or trainer in logps.TRAINERS or spec.value_model) \
+        and logps.CHUNK_BYTES < 2 ** 62
+    value, kept = spec.value_model, trainer in logps.TRAINERS
     # positions in proportion to the step's tokens (GRPO's and RLOO's completions run to their cap whatever the
     # prompts); KTO's KL forward runs without gradient and is left out of the step's tokens
     trained = projected if kept else widest[0] * projected // tokens

@@ -16,12 +16,15 @@ with logged(snakemake):
     job = dict(run=run, model_dir=snakemake.input.model, train_file=snakemake.input.train,
                eval_file=snakemake.input.eval, lengths_file=snakemake.input.lengths,
                reward_dir=snakemake.input.get("reward_model"), out_dir=str(Path(snakemake.output.adapter).parent),
-               checkpoint_dir=snakemake.params.checkpoints, threads=snakemake.threads)
+               checkpoint_dir=snakemake.params.checkpoints, threads=snakemake.threads,
+               mem_mb=snakemake.resources.get("mem_mb"))
     plan = distributed.plan(run, snakemake.resources)
     if plan.launched:
         # One process per GPU, or the run's processes on CPUs, as one group via accelerate; same function.
         distributed.check_launcher(run["distributed"], run["name"], plan)
         job["threads"] = max(1, snakemake.threads // plan.processes)
+        if job["mem_mb"]:  # a machine's (SLURM: a node's), split among its processes
+            job["mem_mb"] = job["mem_mb"] // plan.processes
         job_file = Path(snakemake.params.checkpoints) / "launch_job.json"
         write_json(job, job_file)
         if plan.machines == 1:

@@ -32,6 +32,7 @@ class Trainer:
     generation_check: bool = False  # TRL's rule: the generation batch holds whole groups of num_generations
     tokenized: bool = False  # consumes input_ids prompts (left-padded), cut to the histogram's length
     evaluates: bool = True  # run trainer.evaluate() at the end (Online DPO's needs completions it lacks)
+    completions_per_prompt: int = 1  # the rows its training forward runs per prompt (online DPO's pair: 2)
     batching: tuple[str, ...] = ("padded",)  # batching strategies it can use (snaketrl.data.lengths.STRATEGY_ARGS)
     batching_note: str = ""  # why it has no other strategy: the histogram JSON and the report say so
     # Examples TRL drops instead of truncating: "long" (longer than max_length), "long_prompt" (a prompt alone
@@ -92,7 +93,7 @@ REGISTRY: dict[str, Trainer] = {
                     drops="long_prompt"),
     "online_dpo": Trainer("trl.experimental.online_dpo:OnlineDPOConfig",
                           "trl.experimental.online_dpo:OnlineDPOTrainer", "prompt", reward_funcs=True,
-                          length_field=None, evaluates=False, overlay="objective/scores",
+                          length_field=None, evaluates=False, completions_per_prompt=2, overlay="objective/scores",
                           headline=("objective/scores", "objective/kl", "rewards/margins"),
                           batching_note="Online DPO pads each batch's prompts for generation, whose cost is the "
                                         "completions'; its prompts are not grouped here"),

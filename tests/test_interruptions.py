@@ -31,10 +31,12 @@ STARTS = {"ppo": [0, 0, 3, 3, 6, 6], **{t: [0, 2, 2, 2, 4, 6, 6, 6] for t in PER
 
 def clock(key: str) -> bool:
     """Wall-clock and memory figures: the only values a resumed run may report differently (a process's peak
-    RSS depends on what it loaded before)."""
+    RSS depends on what it loaded before; the plan's room, on the free memory it saw)."""
     from snaketrl.train.cost import MEMORY_KEYS
+    from snaketrl.train.memory import RESUMED_KEYS
 
-    return key.endswith(("_runtime", "_per_second", "step_time", "_seconds")) or key == "eps" or key in MEMORY_KEYS
+    return (key.endswith(("_runtime", "_per_second", "step_time", "_seconds")) or key == "eps" or key in MEMORY_KEYS
+            or key in RESUMED_KEYS)
 
 
 def result(out) -> dict:

@@ -48,6 +48,28 @@ class PeakLive:
 VOCAB, HIDDEN, ROWS, WIDTH, LABELS = 65536, 64, 2, 48, 16
 
 
+def vocab_model(hidden: int, trained_rows: bool, tmp_path):
+    """A one-layer Qwen2 LoRA model with VOCAB entries, tied; with `trained_rows`, two added tokens whose rows train
+    (peft's trainable tokens, as a chat template's): (the peft model, its shape)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snaketrl.models.chat_template import trainable_tokens, write_record
+
+    shape = {"hidden_size": hidden, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    if trained_rows:
+        model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
+        shape["vocab_size"] = VOCAB + 2
+        write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
+        lora = trainable_tokens(model, tmp_path, lora)
+    return get_peft_model(model, LoraConfig(**lora)), shape
+
+
 def sft_step_peak(dtype, monkeypatch) -> tuple[int, dict]:
     """Peak bytes of one SFT step on the label tokens only (snaketrl's one pass, as on a CPU) of a LoRA model
     with a large vocabulary, and its config."""
@@ -192,28 +214,14 @@ def test_grpos_chunked_step_measures_its_estimate(kept, trained_rows, tmp_path, 
     alive at once."""
     import torch
     import trl
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from snaketrl.models.chat_template import trainable_tokens, write_record
     from snaketrl.train import logps
     from snaketrl.train.memory import activation_bytes
     from test_logps import fake_trainer
 
     rows, prompt, keep = 8, 16, 48
     monkeypatch.setattr(logps, "KEPT_LOGITS_BYTES", logps.KEPT_LOGITS_BYTES if kept else 2 ** 20)
-    shape = {"hidden_size": 256 if trained_rows else HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1,
-             "vocab_size": VOCAB}
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
-    if trained_rows:
-        model.resize_token_embeddings(VOCAB + 2, mean_resizing=False)
-        shape["vocab_size"] = VOCAB + 2
-        write_record({"added_tokens": {"<|im_start|>": VOCAB, "<|im_end|>": VOCAB + 1}}, tmp_path)
-        lora = trainable_tokens(model, tmp_path, lora)
-    model = get_peft_model(model, LoraConfig(**lora))
+    model, shape = vocab_model(256 if trained_rows else HIDDEN, trained_rows, tmp_path)
     trainer = fake_trainer(trl.GRPOTrainer, model)
     logps.chunk_completion_logits(trainer)
     ids = torch.randint(0, VOCAB, (rows, prompt + keep), generator=torch.Generator().manual_seed(1))
@@ -226,3 +234,113 @@ def test_grpos_chunked_step_measures_its_estimate(kept, trained_rows, tmp_path, 
     assert 0.95 <= estimate / peak.peak < 1.1, (estimate, peak.peak)  # 0.995 to 1.05 measured
     if kept or trained_rows:  # the chunk count of DPO's alone falls short
         assert activation_bytes(shape, ids.numel(), 4, rows * keep, chunked=True) / peak.peak < 0.85
+
+
+def test_trls_path_on_a_head_with_trained_rows_holds_one_weight_copy_more(tmp_path):
+    """DPO, KTO and ORPO keep TRL's path, every position's logits at once, where a chat template's added tokens train
+    in the head (snaketrl.train.scored.plans_chunks): peft's wrapper builds the whole weight once a forward, and one
+    copy is alive at the step's peak, which the estimate counts (it counted none: Gemma 3's DPO and ORPO)."""
+    import torch
+    from trl.trainer.utils import selective_log_softmax
+
+    from snaketrl.train.memory import activation_bytes
+
+    rows, width, hidden = 2, 96, 256
+    measured = {}
+    for trained_rows in (False, True):
+        model, shape = vocab_model(hidden, trained_rows, tmp_path)
+        ids = torch.randint(0, VOCAB, (rows, width), generator=torch.Generator().manual_seed(1))
+        with PeakLive(model) as peak:
+            selective_log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1], ids[:, 1:]).sum().backward()
+        measured[trained_rows] = peak.peak
+    copy = (VOCAB + 2) * hidden * 4
+    assert 0.95 <= (measured[True] - measured[False]) / copy < 1.1, measured  # 1.03 measured
+    assert activation_bytes(shape, rows * width, 4, trained_rows=True) - activation_bytes(shape, rows * width, 4) \
+        == copy
+
+
+@pytest.mark.parametrize("dtype, prompt", [("bfloat16", 16), ("bfloat16", 112), ("float32", 48)])
+def test_online_dpos_trained_pass_measures_its_estimate(dtype, prompt):
+    """Online DPO's trained pass (TRL's _forward: the model's logits for every position, a log-softmax of the
+    completions alone), its reference pass without gradient, and the backward pass: the estimate counts a
+    16-bit run's logits twice (accelerate's fp32 copy of them) and the completions' log-softmax: 6 and 6 bytes per
+    vocabulary entry of every and each completion position in bf16, 4 and 8 in fp32."""
+    import types
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from accelerate.utils import convert_outputs_to_fp32
+    from trl.experimental.online_dpo.online_dpo_trainer import OnlineDPOTrainer
+
+    from snaketrl.train.memory import activation_bytes
+
+    rows, completion = 8, 32
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": VOCAB}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        dtype=getattr(torch, dtype))
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    prompts, completions = (torch.randint(0, VOCAB, (rows, n), generator=gen) for n in (prompt, completion))
+    forward = types.MethodType(OnlineDPOTrainer._forward, types.SimpleNamespace(max_length=512))
+    masks = torch.ones_like(prompts), torch.ones_like(completions)
+    if dtype == "bfloat16":  # as the trainer runs a 16-bit model: accelerate's autocast, its outputs back in fp32
+        model.forward = convert_outputs_to_fp32(model.forward)
+    with PeakLive(model) as peak, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        logprobs = forward(model, prompts, masks[0], completions, masks[1])
+        with torch.no_grad(), model.disable_adapter():
+            reference = forward(model, prompts, masks[0], completions, masks[1])
+        (logprobs - reference).sum().backward()
+    size = 2 if dtype == "bfloat16" else 4
+    tokens = rows * (prompt + completion)
+    estimate = activation_bytes(shape, tokens, size, completions=rows * completion)
+    assert 0.97 <= estimate / peak.peak < 1.1, (estimate, peak.peak)
+    if dtype == "float32":  # 4 bytes of every position, 8 of each completion position, exactly; the layers' estimate
+        assert 0.999 < estimate / peak.peak < 1.001
+
+
+def test_ppos_value_model_keeps_a_gradient_and_two_adamw_moments_of_every_weight(tmp_path):
+    """PPO trains its value model's every weight: after an AdamW step each has a gradient and two moments in its
+    dtype, what trained_state_bytes counts from the model's files (none of it counted before: Qwen's PPO step added
+    3.14 GiB against an estimate of 1.18)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from snaketrl.train.memory import parameter_count, trained_state_bytes
+
+    shape = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 4096,
+             "num_labels": 1, "pad_token_id": 0}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(
+        "qwen2", **shape, num_attention_heads=4, num_key_value_heads=2), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    assert parameter_count(tmp_path) == sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(input_ids=torch.randint(1, 4096, (2, 16))).logits.sum().backward()
+    optimizer.step()
+    kept = sum(p.grad.nbytes for p in model.parameters()) + sum(
+        t.nbytes for state in optimizer.state.values() for t in state.values() if t.dim() > 0)
+    assert trained_state_bytes(tmp_path, 2) == kept
+    assert trained_state_bytes(None, 2) == 0
+
+
+def test_a_kept_heap_counts_trls_logits_twice_and_only_where_the_job_keeps_it(monkeypatch):
+    """A job that keeps what it frees (snaketrl.processes) cannot reuse the last step's logits blocks for the next
+    step's new lengths: TRL's every-position logits count twice there (ORPO on Gemma 3: 5.93 GiB added kept, 3.25
+    given back); chunks, of one size, once; a job that samples completions gives its memory back."""
+    from snaketrl.train.memory import activation_bytes, keeps_freed_memory
+
+    gemma = {"hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "vocab_size": 262144}
+    layers = 18 * (38 * 640 + 10 * 2048)
+    assert activation_bytes(gemma, 1024, 2, heap_kept=True) == 1024 * layers + 2 * 12 * 262144 * 1024
+    assert activation_bytes(gemma, 1024, 2, chunked=True, heap_kept=True) == \
+        activation_bytes(gemma, 1024, 2, chunked=True)
+    monkeypatch.delenv("SNAKETRL_KEEP_FREED_MEMORY", raising=False)
+    assert keeps_freed_memory("cpu", generates=False) and not keeps_freed_memory("cpu", generates=True)
+    assert not keeps_freed_memory("cuda", generates=False)
+    monkeypatch.setenv("SNAKETRL_KEEP_FREED_MEMORY", "0")
+    assert not keeps_freed_memory("cpu", generates=False)
+    monkeypatch.setenv("SNAKETRL_KEEP_FREED_MEMORY", "1")
+    assert keeps_freed_memory("cpu", generates=True)

@@ -46,8 +46,14 @@ def test_max_tokens_sets_the_steps_of_the_one_trl_config(tmp_path, config, tiny_
     rows = plan.args.per_device_train_batch_size * plan.args.gradient_accumulation_steps
     assert rows == 4 and plan.args.max_steps == 13  # ceil(1000 / (4 x 20))
     assert any(note.startswith("max_tokens 1000: at most 13 steps") for note in plan.notes)
-    assert plan.report() == {"device": "cpu", "batching": "padded", "row_groups": False,
-                             "activation_checkpointing": False, "attn_implementation": "sdpa", "unpadded": False}
+    report = plan.report()
+    numbers = {k: report.pop(k) for k in ("activation_estimate_bytes", "trained_state_estimate_bytes",
+                                          "checkpointing_room_bytes", "estimate_tokens_per_forward")}
+    assert report == {"device": "cpu", "batching": "padded", "row_groups": False,
+                      "activation_checkpointing": False, "attn_implementation": "sdpa", "unpadded": False}
+    # the numbers memory chose checkpointing from: 4 rows of 64 tokens, no value model, room below the free 64 GiB
+    assert numbers["estimate_tokens_per_forward"] == 4 * 64 and numbers["trained_state_estimate_bytes"] == 0
+    assert 0 < numbers["activation_estimate_bytes"] < numbers["checkpointing_room_bytes"] < 0.6 * 64 * GIB
 
 
 @pytest.mark.parametrize("free, on", [(64 * GIB, False), (1024, True)])
@@ -66,6 +72,58 @@ def test_checkpointing_follows_the_device_memory_unless_the_config_sets_it(tmp_p
                       train_file=job["train_file"], checkpoint_dir=job["checkpoint_dir"],
                       device=Device("cpu", False, free))
     assert forced.checkpointing is True and not any("checkpointing" in note for note in forced.notes)
+
+
+def test_a_jobs_memory_limit_below_the_estimate_turns_checkpointing_on(tmp_path, config, tiny_model_dir):
+    """The room is the smaller of the device's free memory and the job's own limit (the train rule's mem_mb, the
+    cgroup's): with 64 GiB free and a limit below the activations, checkpointing turns on and the note names the
+    limit; the plan reports the numbers it compared."""
+    from snaketrl.train.plan import Device
+
+    _, free = plan_of(tmp_path / "a", config, tiny_model_dir, "dpo", Device("cpu", False, 64 * GIB))
+    need = free.memory["activation_estimate_bytes"]
+    limit = need // 2  # below the estimate, after the weights: no room at all
+    _, limited = plan_of(tmp_path / "b", config, tiny_model_dir, "dpo",
+                         Device("cpu", False, 64 * GIB, limit, "the job's mem_mb resource, 1"))
+    assert free.checkpointing is False and limited.checkpointing is True
+    assert limited.memory["memory_limit_bytes"] == limit and limited.memory["activation_estimate_bytes"] == need
+    assert limited.memory["checkpointing_room_bytes"] < need < free.memory["checkpointing_room_bytes"]
+    note = next(n for n in limited.notes if n.startswith("activation checkpointing on: "))
+    assert f"of the job's mem_mb resource, 1 ({limit / GIB:.2f} GiB), below the device's free memory after the " \
+           f"weights)" in note
+    assert limited.report()["memory_limit_bytes"] == limit and "memory_limit_bytes" not in free.report()
+    # a limit above the free memory leaves the free memory the room
+    _, above = plan_of(tmp_path / "c", config, tiny_model_dir, "dpo",
+                       Device("cpu", False, 64 * GIB, 128 * GIB, "the job's mem_mb resource, 137439"))
+    assert above.memory["checkpointing_room_bytes"] == free.memory["checkpointing_room_bytes"]
+    assert "of the free memory after the weights" in next(n for n in above.notes if "checkpointing" in n)
+
+
+def test_the_memory_limit_is_the_smaller_of_mem_mb_and_the_cgroups(tmp_path):
+    from snaketrl.train.memory import memory_limit_bytes
+
+    v2, v1, absent = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes", tmp_path / "absent"
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    assert memory_limit_bytes(None, [absent, v2]) == (None, "")
+    assert memory_limit_bytes(None, [absent, v1]) == (None, "")
+    assert memory_limit_bytes(8000, [v2]) == (8 * 10 ** 9, "the job's mem_mb resource, 8000")
+    v2.write_text(f"{6 * GIB}\n")
+    assert memory_limit_bytes(8000, [v2]) == (6 * GIB, "the process's cgroup limit, 6.00 GiB")
+    assert memory_limit_bytes(4000, [absent, v2]) == (4 * 10 ** 9, "the job's mem_mb resource, 4000")
+
+
+def test_online_dpo_forwards_two_completions_of_each_prompt():
+    """Online DPO's training forward runs each prompt's two completions (TRL's training_step): its tokens a forward
+    are twice its batch's rows, each a prompt and max_new_tokens (it counted the batch's prompts alone)."""
+    from types import SimpleNamespace
+
+    from snaketrl.train.plan import forward_tokens, projected_tokens
+    from snaketrl.trainers import REGISTRY
+
+    fields = SimpleNamespace(per_device_train_batch_size=4, max_new_tokens=32)
+    assert forward_tokens(REGISTRY["online_dpo"], fields, 160) == 2 * 4 * (160 + 32)
+    assert projected_tokens("online_dpo", REGISTRY["online_dpo"], fields, 160) == 2 * 4 * (160 + 32)
 
 
 def test_bf16_on_a_bf16_gpu_and_never_for_a_tiny_model_on_a_cpu(tmp_path, config, tiny_model_dir):
@@ -216,3 +274,37 @@ def test_ppo_reads_its_reward_its_own_way(tmp_path, config, tiny_model_dir):
     _, plan = plan_of(tmp_path, config, tiny_model_dir, "ppo", Device("cpu", False, 64 * GIB),
                       reward_dir=tiny_model_dir)
     assert plan.reward_read_as_trained is False and "reward_read_as_trained" not in plan.report()
+
+
+def test_ppos_plan_counts_its_value_models_trained_state_and_its_two_reward_copies(tmp_path, config, tiny_model_dir):
+    """PPO's value model, started from the reward run's model, trains every weight: the plan compares its
+    activations and that state (a gradient and two AdamW moments a weight) with the room, which the reward and value
+    models' weights leave smaller."""
+    from snaketrl.train.memory import SHARE, parameter_count, weight_bytes
+    from snaketrl.train.plan import Device
+
+    _, plain = plan_of(tmp_path / "a", config, tiny_model_dir, "ppo", Device("cpu", False, 64 * GIB))
+    _, ppo = plan_of(tmp_path / "b", config, tiny_model_dir, "ppo", Device("cpu", False, 64 * GIB),
+                     reward_dir=tiny_model_dir)
+    assert plain.memory["trained_state_estimate_bytes"] == 0  # no reward model given: nothing to count
+    assert ppo.memory["trained_state_estimate_bytes"] == 3 * 4 * parameter_count(tiny_model_dir)  # fp32 tiny model
+    assert ppo.memory["activation_estimate_bytes"] == plain.memory["activation_estimate_bytes"]
+    weights = weight_bytes(tiny_model_dir)
+    assert plain.memory["checkpointing_room_bytes"] - ppo.memory["checkpointing_room_bytes"] in range(
+        int(SHARE * 2 * weights) - 1, int(SHARE * 2 * weights) + 2)
+    assert "and the value model's gradients and optimizer states" in next(n for n in ppo.notes if "checkpoint" in n)
+
+
+def test_a_kept_heap_doubles_the_logits_of_dpo_on_a_cpu_not_sfts_nor_a_samplers(tmp_path, config, tiny_model_dir,
+                                                                                 monkeypatch):
+    """A CPU job keeps what it frees unless its trainer samples (snaketrl.processes): DPO's unchunked logits count
+    twice there; SFT's count of every position bounds it already; GRPO gives its memory back."""
+    from snaketrl.train import plan as planning
+    from snaketrl.train.plan import Device
+
+    monkeypatch.delenv("SNAKETRL_KEEP_FREED_MEMORY", raising=False)
+    seen, choose = [], planning.choose_checkpointing
+    monkeypatch.setattr(planning, "choose_checkpointing", lambda *a, **k: seen.append(k) or choose(*a, **k))
+    for trainer in ("dpo", "sft", "grpo"):
+        plan_of(tmp_path / trainer, config, tiny_model_dir, trainer, Device("cpu", False, 64 * GIB))
+    assert [k["heap_kept"] for k in seen] == [True, False, False]

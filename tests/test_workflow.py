@@ -71,6 +71,9 @@ def test_every_run_logged_losses_and_trained_with_histogram_max_length(workflow_
                        .read_text().splitlines()]
             assert max(len(p["input_ids"]) for p in prompts) <= lengths["max_length"]
         metrics = json.loads((state_file.parent / "metrics.json").read_text())
+        # the train rule's mem_mb (8000 at the first attempt) reached the plan: its room is at most that, less weights
+        assert 0 < metrics["memory_limit_bytes"] <= 8000 * 10 ** 6, run
+        assert metrics["checkpointing_room_bytes"] < 0.6 * metrics["memory_limit_bytes"], run
         for check in learning.WORKFLOW[trainer]:
             learning.check(run, check, state, metrics, manifest["seed"])
     assert len(list(workflow_run.glob(paths.run_file("*", "trainer_state.json")))) == 10

@@ -52,11 +52,49 @@ added): SFT 1.71 GiB estimated, 1.59 measured (1.08; the whole run, first step's
 1.74: 0.98); GRPO as above; PPO 1.25 against 1.08 (1.16 with its head's one weight copy, 0.87 without; whole
 run 2.51 with the value model's optimizer states; TRL's logits: 1.40 measured, 3.04 whole run, peak resident 5.94
 GiB against 5.42 bounded), where one layer count and every position's logits said 1.69 (1.57).
+
+Trained token rows on TRL's own path (DPO, KTO and ORPO keep it on such a head: snaketrl.train.scored.plans_chunks;
+online DPO): peft's wrapper builds the whole weight once a forward, one copy alive at the peak (tests/test_memory.py:
+DPO's step and online DPO's trained pass each 1.03 copies above the plain head's). Online DPO (`completions`) runs
+two completions of each prompt (its rows twice the batch: snaketrl.train.plan.forward_tokens), takes the model's
+logits for every position and a log-softmax of the completion positions alone. In a 16-bit run accelerate hands the
+logits back in fp32 as well (convert_outputs_to_fp32, under autocast), and the backward pass holds both copies
+again: 6 bytes per vocabulary entry of every position and 6 of each completion position (measured 5.6 and 5.5 at 48
+to 144 positions a row, the trained pass, the reference's and the backward pass); in fp32, 4 and 8 (measured
+exactly: tests/test_memory.py). The count before said every position at 12 bytes and half the rows: Gemma 3's
+online DPO in the workflow (trace of its ops: bf16 logits of 8 x 145 positions, their fp32 copy, the slice's fp32
+gradient and its bf16 copy) added 3.33 GiB against 1.88 estimated.
+
+A job that keeps the memory it frees (snaketrl.processes.keep_freed_memory: every trainer on a CPU but those that
+sample completions) holds TRL's every-position logits twice (`heap_kept`): its batches take new lengths every step,
+the kept heap cannot place the next step's logits and their temporaries in the blocks the last step freed, and
+grows by as much (the processes module measured SFT's loss settling at 1.9 times the memory it held given back).
+bench/vocab_memory.py on Gemma 3 270M with ChatML (ORPO, 2 hh-rlhf pairs a step of 688 tokens, TRL's path): 3.25
+GiB added given back, 5.93 kept; DPO's logits on label tokens alone 1.62 and 2.00. In the workflow (its hh-rlhf
+pairs at 2 a forward, 234 positions a row: config/examples/other-architectures.yaml) Gemma 3's DPO scatters the
+labels' bf16 logits into every position (0.46 GiB), makes an fp32 copy and a clone of it (0.91 each), for the policy
+and again for the reference, and its entropy's per-row temporaries (0.23 GiB each) grew the kept heap at almost
+every one: 5.9 GiB added in its first step, checkpointing on or off. A chunked trainer's chunks are of one size and
+reuse their blocks. SFT's count of every position's logits bounds its kept heap already (its one pass projects the
+labels alone: SmolLM2's SFT on LIMA held 0.7 GB more kept, against 2.8 GiB counted; Gemma 3's 0.90 of the count).
+
+What training keeps besides activations (`trained_state_bytes`): PPO's value model trains every weight (TRL's
+PolicyAndValueWrapper; peft adapts the policy alone), so each of its parameters has a gradient and AdamW's two
+moments, in the weights' dtype (torch's AdamW keeps its states in the parameter's): 3 x 2 bytes a parameter in bf16,
+1.50 GiB for Gemma 3 270M's value model, 2.76 for Qwen2.5-Coder-0.5B's, which the step adds on top of its activations
+(docs/benchmarks.md: Qwen's PPO added 3.14 GiB against 1.18 of activations). Checkpointing does not shrink it, but
+what the plan compares with the room is both.
+
+The room (`choose_checkpointing`): SHARE of what is left once the weights are loaded, of the smaller of the device's
+free memory and the job's own memory limit (on a CPU: the train rule's mem_mb resource, which a scheduler such as
+SLURM enforces, and the process's cgroup limit where one is set: `memory_limit_bytes`); a GPU's room is its own
+free memory.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -79,7 +117,8 @@ KEPT_CHUNK_LOGITS = 4
 
 def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int | None = None,
                      upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
-                     kept: bool = False, trained_rows: bool = False) -> int:
+                     kept: bool = False, trained_rows: bool = False, completions: int | None = None,
+                     heap_kept: bool = False) -> int:
     """Activations a decoder keeps for the backward pass without checkpointing, for `tokens` tokens per forward
     (rows x padded length): `config` is the model's config.json. `projected`: the positions among them whose
     logits the trainer computes (None: all); `upcast_head`: the loss keeps an fp32 copy of a 16-bit output
@@ -88,8 +127,10 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     those positions at most; `kept`: the other chunks keep their logits for the backward pass where all of them fit
     in logps.KEPT_LOGITS_BYTES (GRPO's and RLOO's); `trained_rows`: a chunked trainer's output projection trains
     rows (a chat template's added tokens: peft's wrapper's whole weight, built once a pass, and its gradient summed
-    over the chunks); `value_model`: the trained pass runs a value
-    model of the same shape on the same tokens (PPO's), whose layers count again."""
+    over the chunks; on TRL's path, one copy); `value_model`: the trained pass runs a value
+    model of the same shape on the same tokens (PPO's), whose layers count again; `completions`: the trainer takes
+    the model's logits of every position in its dtype and a log-softmax of these completion positions alone (online
+    DPO's); `heap_kept`: the job keeps the memory it frees, and its unchunked logits count twice."""
     from snaketrl.train.logps import chunk_positions, exceeds_chunk, keeps_too_much
 
     text = config.get("text_config", config)
@@ -99,6 +140,7 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
     per_hidden, per_intermediate = KEPT[4 if dtype_bytes >= 4 else 2]
     per_layer = per_hidden * hidden + per_intermediate * intermediate
     positions = tokens if projected is None else projected
+    compute = 4 if dtype_bytes >= 4 else 2  # a 4- or 8-bit base computes in 16-bit
     head = 4 * vocab * hidden if upcast_head and dtype_bytes < 4 else 0
     if chunked:
         # a batch whose logits fit in one chunk (CHUNK_BYTES) keeps TRL's path, all its positions at once
@@ -112,16 +154,52 @@ def activation_bytes(config: dict, tokens: int, dtype_bytes: int, projected: int
             # the weight built once a pass (snaketrl.train.head.one_weight_forward); over several chunks the backward
             # pass sums the chunks' gradients of it in another such tensor, a chunk's own gradient of it beside it
             # until added: three copies, less the last chunk's kept logits, freed by then
-            weight = vocab * hidden * (4 if dtype_bytes >= 4 else 2)
+            weight = vocab * hidden * compute
             head += 3 * weight - (KEPT_CHUNK_LOGITS * vocab * chunk if kept_logits else 0) if several else weight
+    elif completions is not None:
+        # a 16-bit run's logits come back from accelerate in fp32 as well (convert_outputs_to_fp32)
+        logits = vocab * (6 * positions + 6 * completions if compute < 4 else 4 * positions + 8 * completions)
     else:
-        logits = LOGITS * vocab * positions
+        logits = LOGITS * vocab * positions * (2 if heap_kept else 1)
+    if trained_rows and not chunked:
+        head += vocab * hidden * compute  # the weight peft's wrapper builds once a forward (TRL's path)
     return int(tokens * layers * per_layer * (2 if value_model else 1) + logits + head)
 
 
 def weight_bytes(model_dir) -> int:
     """The model's weights as stored (its safetensors files): an upper bound once loaded in 16-bit or 4-bit."""
     return sum(p.stat().st_size for p in Path(model_dir).rglob("*.safetensors"))
+
+
+def parameter_count(model_dir) -> int:
+    """The parameters of the model in `model_dir`, from its safetensors files' headers (no weights read)."""
+    count = 0
+    for path in Path(model_dir).rglob("*.safetensors"):
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        count += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return count
+
+
+# A trained weight's gradient and AdamW's two moments, each in the weight's dtype (module docstring).
+TRAINED_COPIES = 3
+
+
+def trained_state_bytes(value_model_dir, dtype_bytes: int) -> int:
+    """What training keeps besides activations, beyond LoRA's small adapters: PPO's value model (`value_model_dir`:
+    the reward run's model it starts from, None for the other trainers) trains every weight, each with a gradient
+    and AdamW's two moments in the weights' dtype (`dtype_bytes`: 2 in bf16)."""
+    if value_model_dir is None:
+        return 0
+    return TRAINED_COPIES * parameter_count(value_model_dir) * (4 if dtype_bytes >= 4 else 2)
+
+
+def keeps_freed_memory(device: str, generates: bool) -> bool:
+    """Whether a job keeps the memory it frees (snaketrl.processes): on a CPU, unless its trainer samples completions
+    (it gives it back: snaketrl.train.run) or SNAKETRL_KEEP_FREED_MEMORY=0 leaves glibc's default; =1 keeps it
+    whatever the trainer."""
+    setting = os.environ.get("SNAKETRL_KEEP_FREED_MEMORY")
+    return device == "cpu" and (setting == "1" or (not generates and setting != "0"))
 
 
 def free_bytes(device: str) -> int:
@@ -136,18 +214,65 @@ def free_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
+# The plan's numbers that a resumed run's plan may report differently: the free memory it saw.
+RESUMED_KEYS = ("checkpointing_room_bytes",)
+
+
+# Where a process's cgroup states its memory limit: cgroup v2's file, then v1's; "max" (v2) or a page-rounded
+# 2**63 (v1) mean none.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def cgroup_limit_bytes(files=CGROUP_LIMITS) -> int | None:
+    """This process's cgroup memory limit, where one is set and readable."""
+    for file in files:
+        try:
+            text = Path(file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2 ** 62:
+            return int(text)
+        return None
+    return None
+
+
+def memory_limit_bytes(mem_mb: int | None, files=CGROUP_LIMITS) -> tuple[int | None, str]:
+    """(the job's own memory limit in bytes, what sets it): the smaller of the train rule's mem_mb resource
+    (megabytes, as Snakemake and SLURM count them) and the process's cgroup limit; (None, "") where neither is."""
+    limits = []
+    if mem_mb:
+        limits.append((int(mem_mb) * 10 ** 6, f"the job's mem_mb resource, {int(mem_mb)}"))
+    cgroup = cgroup_limit_bytes(files)
+    if cgroup is not None:
+        limits.append((cgroup, f"the process's cgroup limit, {cgroup / 2 ** 30:.2f} GiB"))
+    return min(limits) if limits else (None, "")
+
+
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
                          upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
-                         kept: bool = False, trained_rows: bool = False) -> tuple[bool, str]:
-    """(checkpointing on?, why): on where the activations of a forward of `tokens` tokens (`projected`,
-    `upcast_head`, `chunked`, `value_model`, `kept` and `trained_rows` as activation_bytes takes them) would take
-    more than SHARE of the memory left once the weights are loaded (`free`: the device's free bytes before
-    loading)."""
+                         kept: bool = False, trained_rows: bool = False, completions: int | None = None,
+                         heap_kept: bool = False, trained_state: int = 0, other_weights: int = 0, limit: int | None = None,
+                         limit_source: str = "") -> tuple[bool, str, dict]:
+    """(checkpointing on?, why, the numbers compared): on where the activations of a forward of `tokens` tokens
+    (`projected`, `upcast_head`, `chunked`, `value_model`, `kept`, `trained_rows`, `completions` and `heap_kept` as
+    activation_bytes takes them) and `trained_state` (trained_state_bytes) would take more than SHARE of the memory
+    left once the weights are loaded (the model's, and `other_weights`: a reward or value model's), of the smaller of
+    `free` (the device's free bytes before loading) and `limit` (the job's own: memory_limit_bytes, set by
+    `limit_source`)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    need = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model, kept,
-                            trained_rows)
-    room = SHARE * (free - weight_bytes(model_dir))
+    activations = activation_bytes(config, tokens, dtype_bytes, projected, upcast_head, chunked, value_model, kept,
+                                   trained_rows, completions, heap_kept)
+    need = activations + trained_state
+    limited = limit is not None and limit < free
+    room = int(SHARE * ((limit if limited else free) - weight_bytes(model_dir) - other_weights))
     gib = 2 ** 30
-    why = (f"activations of {tokens} tokens per forward take about {need / gib:.2f} GiB without checkpointing, "
-           f"against {room / gib:.2f} GiB ({SHARE:.0%} of the free memory after the weights)")
-    return need > room, why
+    what = f"activations of {tokens} tokens per forward take about {activations / gib:.2f} GiB without checkpointing"
+    if trained_state:
+        what += f", and the value model's gradients and optimizer states {trained_state / gib:.2f} GiB more"
+    where = (f"{limit_source} ({limit / gib:.2f} GiB), below the device's free memory" if limited else
+             "the free memory")
+    why = f"{what}, against {room / gib:.2f} GiB ({SHARE:.0%} of {where} after the weights)"
+    numbers = {"activation_estimate_bytes": activations, "trained_state_estimate_bytes": trained_state,
+               "checkpointing_room_bytes": room, "estimate_tokens_per_forward": tokens,
+               **({"memory_limit_bytes": limit} if limit is not None else {})}
+    return need > room, why, numbers

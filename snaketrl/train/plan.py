@@ -34,7 +34,7 @@ from snaketrl.train.distributed import SHARDED
 from snaketrl.train.generation import COMPILES, GENERATES, static_cache_len
 from snaketrl.train.logps import TRAINERS as CHUNKED_COMPLETIONS
 from snaketrl.train.logps import projection_alone
-from snaketrl.train.memory import choose_checkpointing
+from snaketrl.train.memory import choose_checkpointing, keeps_freed_memory, trained_state_bytes, weight_bytes
 from snaketrl.train.scored import plans_chunks
 from snaketrl.trainers import REGISTRY, Trainer, load
 
@@ -48,17 +48,21 @@ class Device:
     name: str  # "cuda" or "cpu"
     bf16_units: bool  # computes bf16 natively (a bf16 GPU; a CPU with AVX512-BF16 or AMX)
     free_bytes: int  # free memory before loading
+    limit_bytes: int | None = None  # the job's own memory limit, on a CPU (snaketrl.train.memory.memory_limit_bytes)
+    limit_source: str = ""  # what sets it
 
 
-def detect_device() -> Device:
-    """This process's device: CUDA where visible, else the CPU."""
+def detect_device(mem_mb: int | None = None) -> Device:
+    """This process's device: CUDA where visible, else the CPU. `mem_mb`: the train rule's mem_mb resource, which
+    with the process's cgroup limit bounds a CPU's room (a GPU's is its own memory)."""
     import torch
 
     from snaketrl.train.args import native_bf16
-    from snaketrl.train.memory import free_bytes
+    from snaketrl.train.memory import free_bytes, memory_limit_bytes
 
     name = "cuda" if torch.cuda.is_available() else "cpu"
-    return Device(name, native_bf16(cpu=True), free_bytes(name))
+    limit, source = memory_limit_bytes(mem_mb) if name == "cpu" else (None, "")
+    return Device(name, native_bf16(cpu=True), free_bytes(name), limit, source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,8 @@ class TrainPlan:
     reward_read_as_trained: bool = False
     # positions of the static KV cache a compiled decode runs on (snaketrl.train.generation.compile_decode); 0: eager
     compiled_decode: int = 0
+    # what the checkpointing choice compared, where memory decided it (snaketrl.train.memory.choose_checkpointing)
+    memory: dict = dataclasses.field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
     @property
@@ -109,7 +115,8 @@ class TrainPlan:
                 **({"deduped_prefill": True} if self.deduped_prefill else {}),
                 **({"merged_token_rows": True} if self.merged_token_rows else {}),
                 **({"reward_read_as_trained": True} if self.reward_read_as_trained else {}),
-                **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {})}
+                **({"compiled_decode": {"max_cache_len": self.compiled_decode}} if self.compiled_decode else {}),
+                **self.memory}
 
 
 def batching_choice(lengths: dict, device: str, lengths_file) -> dict:
@@ -124,11 +131,19 @@ def batching_choice(lengths: dict, device: str, lengths_file) -> dict:
 
 
 def forward_tokens(spec: Trainer, fields, max_length: int) -> int:
-    """Tokens of one training forward at most: rows (a preference pair is two) x their longest; an online
-    trainer's rows are a prompt (cut to max_length) and its completion. `fields`: the TRL config's values."""
-    rows = fields.per_device_train_batch_size * (2 if spec.layout == "preference" else 1)
-    completion = getattr(fields, "max_completion_length", None) or getattr(fields, "response_length", None) or 0
+    """Tokens of one training forward at most: rows (a preference pair is two; online DPO's two completions of a
+    prompt) x their longest; an online trainer's rows are a prompt (cut to max_length) and its completion. `fields`:
+    the TRL config's values."""
+    rows = fields.per_device_train_batch_size * (2 if spec.layout == "preference" else spec.completions_per_prompt)
+    completion = completion_tokens(fields)
     return rows * (max_length + (completion if spec.length_field is None else 0))
+
+
+def completion_tokens(fields) -> int:
+    """Tokens an online trainer's completion runs to at most (GRPO's, RLOO's, PPO's or online DPO's field); 0 for
+    an offline one."""
+    return (getattr(fields, "max_completion_length", None) or getattr(fields, "response_length", None)
+            or getattr(fields, "max_new_tokens", None) or 0)
 
 
 def projected_tokens(trainer: str, spec: Trainer, fields, max_length: int) -> int:
@@ -154,7 +169,7 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
     lengths = json.loads(Path(lengths_file).read_text())
     choice = batching_choice(lengths, device.name, lengths_file)
     batching = choice.get("args", {})
-    notes = []
+    notes, memory = [], {}
 
     # Checks: a misspelt field is named before a missing GPU.
     check_args(run["trainer"], run["args"], name)
@@ -195,8 +210,13 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
     # TRL turns checkpointing on for every run; where the config leaves it unset, memory decides.
     if not {"activation_checkpointing", "gradient_checkpointing"} & set(run["args"]):
         model_config = json.loads((Path(model_dir) / "config.json").read_text())
-        checkpointing, why = choose_checkpointing(
-            model_dir, forward_tokens(spec, fields, lengths["max_length"]), 2 if kwargs["bf16"] else 4,
+        dtype_bytes = 2 if kwargs["bf16"] else 4
+        tokens = forward_tokens(spec, fields, lengths["max_length"])
+        # PPO loads the reward run's model twice (reward and value model: snaketrl.train.ppo), a trainer judged by a
+        # reward model once
+        others = weight_bytes(reward_dir) * (2 if spec.value_model else 1) if reward_dir else 0
+        checkpointing, why, memory = choose_checkpointing(
+            model_dir, tokens, dtype_bytes,
             device.free_bytes, projected_tokens(run["trainer"], spec, fields, lengths["max_length"]),
             upcast_head=run["trainer"] == "sft",
             chunked=(plans_chunks(run["trainer"], fields, run["lora"], model_dir)
@@ -204,7 +224,13 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
                      or ((spec.value_model or run["trainer"] in CHUNKED_COMPLETIONS)
                          and projection_alone(model_config)))
             and not (run["distributed"] in SHARDED and world > 1), value_model=spec.value_model,
-            kept=run["trainer"] in CHUNKED_COMPLETIONS, trained_rows=trains_added_rows(model_dir, run["lora"]))
+            kept=run["trainer"] in CHUNKED_COMPLETIONS, trained_rows=trains_added_rows(model_dir, run["lora"]),
+            # online DPO's log-softmax of its completions alone (snaketrl.train.memory)
+            completions=(fields.per_device_train_batch_size * spec.completions_per_prompt * completion_tokens(fields)
+                         if spec.completions_per_prompt > 1 else None),
+            # SFT's count, every position, already bounds a kept heap: its one pass projects the labels alone
+            heap_kept=keeps_freed_memory(device.name, spec.generates) and run["trainer"] != "sft", trained_state=trained_state_bytes(reward_dir if spec.value_model else None, dtype_bytes),
+            other_weights=others, limit=device.limit_bytes, limit_source=device.limit_source)
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
     args = cls(**kwargs)
@@ -254,7 +280,7 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
                      sharded=sharded, row_groups=row_groups, unpadded=unpadded, merged_generation=merged,
                      inverse_cdf_sampling=inverse_cdf, packed_generation=packs, deduped_prefill=dedupes,
                      merged_token_rows=rows_merged, reward_read_as_trained=reads, compiled_decode=cache,
-                     notes=tuple(notes))
+                     memory=memory, notes=tuple(notes))
 
 
 def merges_for_generation(run: dict, device: str, args, sharded: bool) -> tuple[bool, str]:

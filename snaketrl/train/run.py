@@ -48,9 +48,10 @@ def fingerprint(obj) -> str:
 
 
 def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_dir, checkpoint_dir,
-              reward_dir=None, threads: int | None = None, callbacks=None) -> dict:
+              reward_dir=None, threads: int | None = None, callbacks=None, mem_mb: int | None = None) -> dict:
     """Train one resolved run (snaketrl.config.resolve.resolve_run); write adapter/, trainer_state.json, metrics.json
-    and manifest.json into out_dir, each whole or not at all."""
+    and manifest.json into out_dir, each whole or not at all. `mem_mb`: this process's share of the train rule's
+    mem_mb resource, which bounds the plan's memory on a CPU."""
     import torch
     from transformers import AutoTokenizer, set_seed
 
@@ -61,7 +62,7 @@ def train_run(run: dict, *, model_dir, train_file, eval_file, lengths_file, out_
     # Plan: everything the job decides from its config, its input files, the device and the process group, before
     # any model loads (snaketrl.train.plan).
     world = int(os.environ.get("WORLD_SIZE", "1"))  # launched (snaketrl.train.distributed): `world` processes
-    device = detect_device()
+    device = detect_device(mem_mb)
     if world > 1 and device.name == "cpu" and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
         skip_deepspeed_inference_ops()  # accelerate's zero2 and zero3: before the training arguments are built
     plan = plan_run(run, model_dir=model_dir, lengths_file=lengths_file, train_file=train_file,
