@@ -229,7 +229,8 @@ def plan_run(run: dict, *, model_dir, lengths_file, train_file, checkpoint_dir, 
             completions=(fields.per_device_train_batch_size * spec.completions_per_prompt * completion_tokens(fields)
                          if spec.completions_per_prompt > 1 else None),
             # SFT's count, every position, already bounds a kept heap: its one pass projects the labels alone
-            heap_kept=keeps_freed_memory(device.name, spec.generates) and run["trainer"] != "sft", trained_state=trained_state_bytes(reward_dir if spec.value_model else None, dtype_bytes),
+            heap_kept=keeps_freed_memory(device.name, spec.generates) and run["trainer"] != "sft",
+            trained_state=trained_state_bytes(reward_dir if spec.value_model else None, dtype_bytes),
             other_weights=others, limit=device.limit_bytes, limit_source=device.limit_source)
         notes.append(f"activation checkpointing {'on' if checkpointing else 'off'}: {why}")
         kwargs["activation_checkpointing"] = checkpointing
