@@ -251,8 +251,8 @@ def memory_limit_bytes(mem_mb: int | None, files=CGROUP_LIMITS) -> tuple[int | N
 def choose_checkpointing(model_dir, tokens: int, dtype_bytes: int, free: int, projected: int | None = None,
                          upcast_head: bool = False, chunked: bool = False, value_model: bool = False,
                          kept: bool = False, trained_rows: bool = False, completions: int | None = None,
-                         heap_kept: bool = False, trained_state: int = 0, other_weights: int = 0, limit: int | None = None,
-                         limit_source: str = "") -> tuple[bool, str, dict]:
+                         heap_kept: bool = False, trained_state: int = 0, other_weights: int = 0,
+                         limit: int | None = None, limit_source: str = "") -> tuple[bool, str, dict]:
     """(checkpointing on?, why, the numbers compared): on where the activations of a forward of `tokens` tokens
     (`projected`, `upcast_head`, `chunked`, `value_model`, `kept`, `trained_rows`, `completions` and `heap_kept` as
     activation_bytes takes them) and `trained_state` (trained_state_bytes) would take more than SHARE of the memory
