@@ -550,7 +550,7 @@ def test_a_diverged_run_is_refused_before_anything_is_written(eval_jobs, tiny_mo
      "list it under evaluation.reward_models to judge with it"),
     ({"prompts": "tldr", "reward_funcs": ["nope"]},
      "config: evaluation.reward_funcs: unknown reward function 'nope'; expected one of ['accuracy', 'format', "
-     "'keyword', 'prompt_overlap', 'unique_chars'] or 'package.module:function'"),
+     "'keyword', 'prompt_overlap', 'rouge', 'unique_chars'] or 'package.module:function'"),
     ({"lm_eval": {"tasks": ["snaketrl_arithmetc"]}},
      None),  # message depends on whether lm-eval is installed: checked below
     ({"reward_funcs": ["format"]},
